@@ -1,0 +1,34 @@
+# The two commands a newcomer needs: `make train` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A CPU build of torch; on a GPU machine run e.g. `make TORCH_SPEC=torch install`.
+TORCH_SPEC ?= torch==2.13.0
+TRAIN_CONFIG ?= recipes/configs/smollm2_lora_arithmetic.yaml
+ACCELERATE_CONFIG ?= recipes/accelerate/cpu.yaml
+
+.PHONY: install train test test-dist lint bench clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(BIN)/.installed
+
+train: install
+	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/accelerate launch --config_file $(ACCELERATE_CONFIG) \
+		recipes/grpo.py --config $(TRAIN_CONFIG)
+
+test: install
+	$(BIN)/ruff check grpo_hf recipes tests bench
+	$(BIN)/pytest -q tests
+
+lint: install
+	$(BIN)/ruff check grpo_hf recipes tests bench
+	$(BIN)/ruff format --check grpo_hf recipes tests bench
+
+clean:
+	rm -rf $(VENV) outputs wandb .pytest_cache

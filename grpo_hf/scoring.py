@@ -1,0 +1,145 @@
+"""Runs every reward function and reward model on a batch of completions -> (N, F) rewards.
+
+A reward function is called with keyword arguments only:
+`f(prompts=..., completions=..., completion_ids=..., **dataset_columns) -> list[float | None]`,
+None meaning "does not apply" (stored as NaN). Its output is checked here, so a wrong length, a
+non-number, NaN or inf stops the run with the function's name instead of poisoning the advantages.
+A function that raises is retried one completion at a time to find the offending completion; with
+`reward_error_policy="zero"` those completions score 0 and are counted instead.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+RewardFunc = Callable[..., list[float | None]]
+
+
+@dataclass
+class RewardModel:
+    """A sequence-classification model scoring prompt + completion with its own tokenizer."""
+
+    model: nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+
+
+def reward_name(func: RewardFunc | RewardModel) -> str:
+    """The metric name of a reward: the function's `__name__` or the reward model's name."""
+    return func.name if isinstance(func, RewardModel) else getattr(func, "__name__", type(func).__name__)
+
+
+def score_completions(
+    funcs: list[RewardFunc | RewardModel],
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+    error_policy: str,
+    device: torch.device,
+) -> tuple[torch.Tensor, int]:
+    """(N, F) float32 rewards (NaN = does not apply) and the number of completions scored 0 on error."""
+    columns_out = []
+    errors = 0
+    for func in funcs:
+        if isinstance(func, RewardModel):
+            values = score_with_model(func, prompts, completions)
+        else:
+            values, failed = _call_reward_function(func, prompts, completions, completion_ids, columns, error_policy)
+            errors += failed
+        columns_out.append(values)
+    rewards = torch.tensor(columns_out, dtype=torch.float32, device=device).T  # (N, F)
+    return rewards, errors
+
+
+def _call_reward_function(
+    func: RewardFunc,
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+    error_policy: str,
+) -> tuple[list[float], int]:
+    try:
+        values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        return check_reward_values(reward_name(func), values, len(completions)), 0
+    except RewardOutputError:
+        raise
+    except Exception:
+        return _call_one_by_one(func, prompts, completions, completion_ids, columns, error_policy)
+
+
+def _call_one_by_one(
+    func: RewardFunc,
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+    error_policy: str,
+) -> tuple[list[float], int]:
+    """Score each completion alone, to name the one that raises (or score it 0)."""
+    values, errors = [], 0
+    for i, completion in enumerate(completions):
+        row_columns = {key: column[i : i + 1] for key, column in columns.items()}
+        try:
+            value = func(prompts=prompts[i : i + 1], completions=[completion], completion_ids=completion_ids[i : i + 1], **row_columns)
+        except Exception as err:
+            if error_policy != "zero":
+                raise RuntimeError(
+                    f"Reward function {reward_name(func)!r} raised {type(err).__name__}: {err} on completion "
+                    f"{completion!r}. Fix the function, or set reward_error_policy='zero' to score such "
+                    "completions 0 and count them in the 'reward_errors' metric."
+                ) from err
+            value, errors = [0.0], errors + 1
+        values.extend(check_reward_values(reward_name(func), value, 1))
+    return values, errors
+
+
+class RewardOutputError(ValueError):
+    """A reward function returned something that is not one number (or None) per completion."""
+
+
+def check_reward_values(name: str, values: object, expected: int) -> list[float]:
+    """Validate one reward function's output; None becomes NaN ("does not apply")."""
+    if not isinstance(values, list | tuple) or len(values) != expected:
+        got = f"{len(values)} values" if isinstance(values, list | tuple) else type(values).__name__
+        raise RewardOutputError(f"Reward function {name!r} returned {got} for {expected} completions; return a list with one float (or None) per completion.")
+    out = []
+    for value in values:
+        if value is None:
+            out.append(math.nan)
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) and not _is_scalar_tensor(value):
+            raise RewardOutputError(f"Reward function {name!r} returned {value!r} ({type(value).__name__}); rewards must be floats or None.")
+        value = float(value)
+        if not math.isfinite(value):
+            raise RewardOutputError(f"Reward function {name!r} returned {value}; rewards must be finite (use None for 'does not apply').")
+        out.append(value)
+    return out
+
+
+def _is_scalar_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex
+
+
+@torch.no_grad()
+def score_with_model(reward: RewardModel, prompts: list, completions: list) -> list[float]:
+    """The reward model's first logit for each prompt + completion."""
+    texts = [_join(reward.tokenizer, prompt, completion) for prompt, completion in zip(prompts, completions, strict=True)]
+    encoded = reward.tokenizer(texts, return_tensors="pt", padding=True, truncation=True, add_special_tokens=True)
+    device = next(reward.model.parameters()).device
+    logits = reward.model(**{k: v.to(device) for k, v in encoded.items()}).logits  # (N, labels)
+    return logits[:, 0].float().tolist()
+
+
+def _join(tokenizer: PreTrainedTokenizerBase, prompt: str | list, completion: str | list) -> str:
+    if isinstance(prompt, str):
+        return prompt + completion
+    messages = prompt + completion
+    if tokenizer.chat_template is not None:
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)

@@ -1,0 +1,539 @@
+"""`GRPOTrainer`: GRPO (DeepSeekMath, arXiv 2402.03300) as a `transformers.Trainer`.
+
+How one generation round flows through the Trainer's loop:
+- The train dataloader yields, per micro-step, this process's share of a whole generation batch
+  (every prompt repeated G times; `GroupSampler`), the same batch `steps_per_generation x
+  num_iterations` times in a row.
+- `_prepare_inputs` generates and scores on the first of those micro-steps, gathers rewards from
+  every process to compute group advantages, computes old / reference log-probs once, and splits
+  the result into `steps_per_generation` micro-batches that the following micro-steps consume.
+- `compute_loss` is per-token log-probs of the completion tokens plus the pure `grpo_loss`.
+The maths lives in `advantages`, `loss` and `logprobs`; this file only orchestrates.
+"""
+
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset
+from peft import PeftConfig, get_peft_model
+from torch import nn
+from torch.utils.data import Sampler
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainerCallback,
+)
+from transformers.trainer_utils import get_last_checkpoint
+
+from grpo_hf import rollout
+from grpo_hf.advantages import combine_rewards, group_advantages, group_std_is_zero
+from grpo_hf.config import GRPOConfig
+from grpo_hf.logprobs import completion_logps
+from grpo_hf.loss import adaptive_beta, grpo_loss
+from grpo_hf.models import load_model, load_tokenizer
+from grpo_hf.reference import build_reference, mix_into_reference, reference_context
+from grpo_hf.scoring import RewardFunc, RewardModel, reward_name, score_completions
+
+logger = logging.getLogger(__name__)
+STATE_FILE = "grpo_state.json"
+
+
+class GroupSampler(Sampler[int]):
+    """Shuffled prompt indices, each repeated G times, each generation batch repeated `repeats` times.
+
+    Every process builds the same sequence from the same seed; Accelerate hands each process its
+    own contiguous slice of every generation batch.
+    """
+
+    def __init__(self, num_prompts: int, num_generations: int, prompts_per_batch: int, repeats: int, seed: int):
+        self.num_prompts, self.num_generations = num_prompts, num_generations
+        self.prompts_per_batch, self.repeats, self.seed = prompts_per_batch, repeats, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.num_prompts, generator=generator).tolist()
+        usable = len(order) - len(order) % self.prompts_per_batch
+        for start in range(0, usable, self.prompts_per_batch):
+            batch = [i for i in order[start : start + self.prompts_per_batch] for _ in range(self.num_generations)]
+            for _ in range(self.repeats):
+                yield from batch
+
+    def __len__(self) -> int:
+        return (self.num_prompts // self.prompts_per_batch) * self.prompts_per_batch * self.num_generations * self.repeats
+
+
+class _NonFiniteGuard(TrainerCallback):
+    """Skips an optimizer step whose gradients are not finite; stops after too many in a row."""
+
+    def __init__(self, trainer: "GRPOTrainer"):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        params = [p for p in self.trainer.model.parameters() if p.grad is not None]
+        finite = all(torch.isfinite(p.grad).all() for p in params)
+        if finite:
+            self.trainer.nonfinite_in_a_row = 0
+            return
+        self.trainer.nonfinite_in_a_row += 1
+        self.trainer.record({"nonfinite_steps_skipped": 1.0})
+        for p in params:
+            p.grad = None  # optimizers skip parameters without a gradient: the step is a no-op
+        if self.trainer.nonfinite_in_a_row >= args.max_nonfinite_steps:
+            raise RuntimeError(
+                f"{self.trainer.nonfinite_in_a_row} optimizer steps in a row had non-finite gradients (skipped, "
+                "no NaN was written). Lower learning_rate, set max_grad_norm, or check the reward functions; "
+                "max_nonfinite_steps sets the limit."
+            )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.after_optimizer_step()
+
+
+class GRPOTrainer(Trainer):
+    """Trainer for Group Relative Policy Optimization; see the module docstring for the data flow."""
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs: RewardFunc | str | PreTrainedModel | list,
+        args: GRPOConfig | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | None = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        reward_processing_classes: list[PreTrainedTokenizerBase | None] | None = None,
+        peft_config: PeftConfig | None = None,
+        ref_model: str | PreTrainedModel | None = None,
+        **kwargs,
+    ):
+        args = GRPOConfig(output_dir="outputs/grpo") if args is None else args
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if dataset is not None:
+                check_prompt_dataset(dataset, name)
+        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        if not funcs:
+            raise ValueError("reward_funcs is empty; pass at least one reward function or reward model.")
+        if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
+            raise ValueError(
+                f"reward_weights has {len(args.reward_weights)} values for {len(funcs)} reward functions; "
+                "give one weight per function."
+            )
+        if isinstance(model, str):
+            processing_class = processing_class or load_tokenizer(model)
+            model = load_model(model)
+        elif processing_class is None:
+            processing_class = load_tokenizer(model.name_or_path)
+        if processing_class.pad_token_id is None:
+            raise ValueError(
+                "The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos_token) and pass it "
+                "as processing_class."
+            )
+        if args.disable_dropout:
+            disable_dropout(model)
+        if peft_config is not None:
+            model = wrap_with_peft(model, peft_config, args.gradient_checkpointing)
+        if args.sync_ref_model and peft_config is not None:
+            raise ValueError("sync_ref_model needs a copied reference; with peft_config the base model is it.")
+        self.reward_funcs = [
+            load_reward_model(f, tok) if isinstance(f, str | PreTrainedModel) else f
+            for f, tok in zip(funcs, reward_processing_classes or [None] * len(funcs), strict=True)
+        ]
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=lambda rows: rows,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        self.loss_is_scaled_for_ga = False  # the Trainer divides our loss by the accumulation steps
+        if isinstance(ref_model, str):
+            ref_model = load_model(ref_model)
+        self.ref_model = build_reference(self.model, args.beta, ref_model)
+        if self.ref_model is not None:
+            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+        for reward in self.reward_funcs:
+            if isinstance(reward, RewardModel):
+                reward.model = self.accelerator.prepare_model(reward.model, evaluation_mode=True)
+        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(funcs), dtype=torch.float32)
+        self.beta = args.beta
+        self.eos_token_ids = eos_token_ids(self.model, processing_class)
+        self.nonfinite_in_a_row = 0
+        self._micro_step = 0
+        self._buffer: list[dict] = []
+        self._round_kl: list[float] = []
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._completion_rows: list[dict] = []
+        self.add_callback(_NonFiniteGuard(self))
+
+    # ---- Data ---------------------------------------------------------------------------------
+
+    def _get_train_sampler(self, train_dataset: Dataset | None = None) -> Sampler:
+        args = self.args
+        return GroupSampler(
+            num_prompts=len(train_dataset if train_dataset is not None else self.train_dataset),
+            num_generations=args.num_generations,
+            prompts_per_batch=args.generation_batch_size // args.num_generations,
+            repeats=args.steps_per_generation * args.num_iterations,
+            seed=args.seed,
+        )
+
+    def get_train_dataloader(self):
+        """One batch per micro-step: this process's slice of a whole generation batch."""
+        if self.train_dataset is None:
+            raise ValueError("GRPOTrainer needs a train_dataset to train.")
+        return self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=self._train_batch_size * self.args.steps_per_generation,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _get_eval_sampler(self, eval_dataset: Dataset) -> Sampler:
+        return GroupSampler(len(eval_dataset), self.args.num_generations, 1, 1, self.args.seed)
+
+    # ---- Generation round ---------------------------------------------------------------------
+
+    def _prepare_inputs(self, inputs: list[dict]) -> dict[str, torch.Tensor]:
+        if not self.model.training:
+            return self._generate_and_score(inputs)[0]
+        args = self.args
+        if self._micro_step % (args.steps_per_generation * args.num_iterations) == 0:
+            self._update_adaptive_beta()
+            self._buffer = self._generate_and_score(inputs)
+        batch = self._buffer[self._micro_step % args.steps_per_generation]
+        self._micro_step += 1
+        return batch
+
+    def _generate_and_score(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
+        """Generate, score and prepare one generation batch; return its micro-batches."""
+        args, device = self.args, self.accelerator.device
+        prompts = [row["prompt"] for row in rows]
+        prompt_ids, prompt_mask = rollout.tokenize_prompts(
+            self.processing_class, [self.render_prompt(p) for p in prompts], args.max_prompt_length, device
+        )
+        start = time.perf_counter()
+        result = self.generate_completions(prompt_ids, prompt_mask)
+        seconds = time.perf_counter() - start
+        completions = self.decode_completions(result, chat=not isinstance(prompts[0], str))
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(result.completion_ids, result.completion_mask, strict=True)]
+        rewards_per_func, errors = score_completions(
+            self.reward_funcs, prompts, completions, completion_ids, columns, args.reward_error_policy, device
+        )
+        advantages, rewards = self._advantages(rewards_per_func)
+        loss_mask = result.completion_mask * (~result.truncated).unsqueeze(1) if args.mask_truncated_completions else result.completion_mask
+        self._record_round(result, rewards_per_func, rewards, advantages, errors, seconds)
+        self._record_completion_rows(prompts, completions, rewards)
+        normalizer = self.accelerator.gather(loss_mask.sum().float()).sum() / (self.accelerator.num_processes * args.steps_per_generation)
+        batch = {
+            "input_ids": result.input_ids,
+            "attention_mask": result.attention_mask,
+            "completion_mask": loss_mask,
+            "advantages": advantages,
+        }
+        parts = args.steps_per_generation if self.model.training else 1
+        return [self._complete_micro_batch(part, normalizer) for part in split_batch(batch, parts)]
+
+    def _complete_micro_batch(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> dict:
+        """Trim padding and add old / reference log-probs (no grad, once per round)."""
+        batch = trim_padding(batch)
+        batch["dapo_normalizer"] = normalizer
+        width = batch["completion_mask"].shape[1]
+        with torch.no_grad():
+            if self.needs_old_logps():
+                batch["old_logps"] = completion_logps(self.model_wrapped, batch["input_ids"], batch["attention_mask"], width, self.args.temperature)[0]
+            if self.beta > 0:
+                with reference_context(self.model, self.ref_model) as ref:
+                    batch["ref_logps"] = completion_logps(ref, batch["input_ids"], batch["attention_mask"], width, self.args.temperature)[0]
+        return batch
+
+    def needs_old_logps(self) -> bool:
+        """Old log-probs differ from the current ones only if the policy moves within a round."""
+        args = self.args
+        return self.model.training and (args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps)
+
+    def render_prompt(self, prompt: str | list[dict]) -> str:
+        """A prompt as text: plain text as is, chat messages through the tokenizer's chat template."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.processing_class.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+    def generate_completions(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> rollout.Rollout:
+        """Sample one completion per row. Tests override this to feed fixed completions."""
+        args = self.args
+        config = rollout.generation_config(
+            max_completion_length=args.max_completion_length,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            pad_token_id=self.processing_class.pad_token_id,
+            eos_token_ids=self.eos_token_ids,
+        )
+        return rollout.generate(self.accelerator.unwrap_model(self.model), prompt_ids, prompt_mask, config)
+
+    def decode_completions(self, result: rollout.Rollout, chat: bool) -> list:
+        texts = self.processing_class.batch_decode(result.completion_ids, skip_special_tokens=True)
+        return [[{"role": "assistant", "content": text}] for text in texts] if chat else texts
+
+    def _advantages(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather every process's rewards, normalise per group, keep this process's slice."""
+        all_rewards = self.accelerator.gather(rewards_per_func)  # (N, F)
+        unscored = all_rewards.isnan().all(dim=1)
+        if unscored.any():
+            raise ValueError(
+                f"{int(unscored.sum())} completions got None from every reward function; make at least one "
+                "reward function return a number for every sample."
+            )
+        rewards = combine_rewards(all_rewards, self.reward_weights.to(all_rewards.device))  # (N,)
+        advantages = group_advantages(rewards, self.args.num_generations, self.args.scale_rewards)  # (N,)
+        n = rewards_per_func.shape[0]
+        start = self.accelerator.process_index * n
+        return advantages[start : start + n], rewards
+
+    # ---- Loss ---------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args = self.args
+        width = inputs["completion_mask"].shape[1]
+        logps, entropy = completion_logps(
+            model, inputs["input_ids"], inputs["attention_mask"], width, args.temperature,
+            with_entropy=True, entropy_grad=args.entropy_coef > 0,
+        )  # (B, C), (B, C)
+        loss, metrics = grpo_loss(
+            logps, inputs.get("old_logps"), inputs.get("ref_logps"), inputs["advantages"], inputs["completion_mask"],
+            loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
+            beta=self.beta, kl_estimator=args.kl_estimator, importance_sampling_level=args.importance_sampling_level,
+            max_completion_length=args.max_completion_length, entropy=entropy, entropy_coef=args.entropy_coef,
+            dapo_normalizer=inputs["dapo_normalizer"],
+        )
+        if "kl" in metrics and model.training:
+            self._round_kl.append(metrics["kl"].item())
+        self.record({k: v.item() for k, v in metrics.items()})
+        return (loss, None) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs).detach()
+        return loss, None, None
+
+    # ---- Adaptive KL and reference sync -------------------------------------------------------
+
+    def _update_adaptive_beta(self) -> None:
+        if self.args.target_kl is None or not self._round_kl:
+            return
+        kl = self.accelerator.reduce(torch.tensor(sum(self._round_kl) / len(self._round_kl), device=self.accelerator.device), "mean").item()
+        self.beta = adaptive_beta(self.beta, kl, self.args.target_kl, self.args.generation_batch_size, self.args.kl_horizon)
+        self._round_kl = []
+
+    def after_optimizer_step(self) -> None:
+        """Reference sync (TR-DPO) every ref_model_sync_steps optimizer steps."""
+        args = self.args
+        if args.sync_ref_model and self.state.global_step % args.ref_model_sync_steps == 0:
+            mix_into_reference(
+                self.accelerator.unwrap_model(self.ref_model), self.accelerator.unwrap_model(self.model), args.ref_model_mixup_alpha
+            )
+
+    # ---- Metrics ------------------------------------------------------------------------------
+
+    def record(self, values: dict[str, float]) -> None:
+        """Add metric values to the current logging interval."""
+        mode = "train" if self.model.training else "eval"
+        for key, value in values.items():
+            self._metrics[mode][key].append(value)
+
+    def _record_round(self, result, rewards_per_func, rewards, advantages, errors, seconds) -> None:
+        gather = self.accelerator.gather
+        all_per_func = gather(rewards_per_func)  # (N, F)
+        lengths = gather(result.completion_mask.sum(dim=1).float())  # (N,)
+        truncated = gather(result.truncated.float())  # (N,)
+        all_adv = gather(advantages)  # (N,)
+        group_std = rewards.view(-1, self.args.num_generations).std(dim=1)
+        values = {
+            "reward": rewards.mean().item(),
+            "reward_std": group_std.mean().item(),
+            "frac_reward_zero_std": group_std_is_zero(rewards, self.args.num_generations).float().mean().item(),
+            "advantage/abs_mean": all_adv.abs().mean().item(),
+            "advantage/min": all_adv.min().item(),
+            "advantage/max": all_adv.max().item(),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.mean().item(),
+            "generation/tokens_per_second": lengths.sum().item() / max(seconds, 1e-9) / self.accelerator.num_processes,
+            "reward_errors": gather(torch.tensor([float(errors)], device=rewards.device)).sum().item(),
+            "beta": self.beta,
+        }
+        for i, func in enumerate(self.reward_funcs):
+            values[f"reward/{reward_name(func)}"] = all_per_func[:, i].nanmean().item()
+        self.record(values)
+
+    def _record_completion_rows(self, prompts, completions, rewards) -> None:
+        if not self.args.log_completions:
+            return
+        n = len(prompts)
+        start = self.accelerator.process_index * n
+        local_rewards = rewards[start : start + n].tolist()
+        rows = [{"step": self.state.global_step, "prompt": _text(p), "completion": _text(c), "reward": r} for p, c, r in zip(prompts, completions, local_rewards, strict=True)]
+        self._completion_rows = gather_object(rows)[: self.args.num_completions_to_print]
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the interval's GRPO metrics, averaged over steps and processes, then log as usual."""
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode]
+        if metrics:
+            keys = sorted(metrics)
+            local = torch.tensor([sum(metrics[k]) / len(metrics[k]) for k in keys], device=self.accelerator.device)
+            averaged = self.accelerator.reduce(local, "mean").tolist()
+            prefix = "eval_" if mode == "eval" else ""
+            logs.update({prefix + k: v for k, v in zip(keys, averaged, strict=True)})
+            metrics.clear()
+        super().log(logs, start_time)
+        if self._completion_rows and self.is_world_process_zero():
+            log_completion_table(self._completion_rows, self.args.report_to, self.state.global_step)
+            self._completion_rows = []
+
+    # ---- Checkpoints --------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
+            with open(os.path.join(folder, STATE_FILE), "w") as f:
+                json.dump({"beta": self.beta, "round_kl": self._round_kl}, f)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """Train; when resuming, restore the adaptive beta and the position in the generation round."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+        if resume_from_checkpoint:
+            state_file = os.path.join(resume_from_checkpoint, STATE_FILE)
+            if os.path.isfile(state_file):
+                with open(state_file) as f:
+                    state = json.load(f)
+                self.beta, self._round_kl = state["beta"], state["round_kl"]
+            with open(os.path.join(resume_from_checkpoint, "trainer_state.json")) as f:
+                step = json.load(f)["global_step"]
+            self._micro_step = step * self.args.gradient_accumulation_steps
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+
+# ---- Helpers ------------------------------------------------------------------------------------
+
+
+def check_prompt_dataset(dataset, name: str) -> None:
+    """Fail early, naming the column, on a dataset the trainer cannot use."""
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(f"{name} has no 'prompt' column (columns: {columns}); rename the prompt column to 'prompt'.")
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty.")
+    prompts = dataset["prompt"] if columns is not None else [row["prompt"] for row in dataset]
+    kinds = {"text" if isinstance(p, str) else "chat" if _is_chat(p) else type(p).__name__ for p in prompts}
+    if kinds - {"text", "chat"}:
+        raise ValueError(f"{name}: 'prompt' must be a string or a list of {{'role', 'content'}} messages; found {kinds - {'text', 'chat'}}.")
+    if len(kinds) > 1:
+        raise ValueError(f"{name}: 'prompt' mixes plain-text and chat-format rows; use one format for all rows.")
+
+
+def _is_chat(prompt: object) -> bool:
+    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+
+
+def _text(value: str | list[dict]) -> str:
+    return value if isinstance(value, str) else value[-1]["content"]
+
+
+def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """Split every tensor of a batch along dim 0 into `parts` equal micro-batches."""
+    chunks = {key: value.chunk(parts) for key, value in batch.items()}
+    return [{key: chunks[key][i] for key in batch} for i in range(parts)]
+
+
+def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop prompt columns that are padding in every row and completion columns past every mask."""
+    attention = batch["attention_mask"]
+    prompt_width = attention.shape[1] - batch["completion_mask"].shape[1]
+    first = int(attention[:, :prompt_width].any(dim=0).float().argmax())
+    last = int(batch["completion_mask"].any(dim=0).nonzero().max()) + 1 if batch["completion_mask"].any() else 1
+    out = dict(batch)
+    out["input_ids"] = batch["input_ids"][:, first : prompt_width + last]
+    out["attention_mask"] = attention[:, first : prompt_width + last]
+    out["completion_mask"] = batch["completion_mask"][:, :last]
+    return out
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability to 0: old, current and reference log-probs must agree."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def wrap_with_peft(model: PreTrainedModel, peft_config: PeftConfig, gradient_checkpointing: bool) -> nn.Module:
+    """LoRA (or another PEFT method) around the model, with a clear error for unknown target modules."""
+    if gradient_checkpointing:
+        model.enable_input_require_grads()
+    try:
+        return get_peft_model(model, peft_config)
+    except ValueError as err:
+        if "not found" not in str(err) and "Target modules" not in str(err):
+            raise
+        names = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name})
+        raise ValueError(
+            f"peft_config.target_modules={peft_config.target_modules} matches no module of this model; "
+            f"module names include {names[:40]}."
+        ) from err
+
+
+def load_reward_model(model: str | PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> RewardModel:
+    """A sequence-classification reward model (one label) with its tokenizer."""
+    if isinstance(model, str):
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
+        model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1)
+    elif tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.eval().requires_grad_(False)
+    return RewardModel(model, tokenizer, name=model.name_or_path.rstrip("/").rsplit("/", 1)[-1] or type(model).__name__)
+
+
+def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+    if not ids:
+        raise ValueError("Neither the tokenizer nor the model's generation_config has an eos token; set tokenizer.eos_token.")
+    return sorted(ids)
+
+
+def log_completion_table(rows: list[dict], report_to: list[str], step: int) -> None:
+    """Print sample completions with their rewards, and send them to wandb as a table."""
+    lines = [f"completions at step {step}:"] + [f"  [{r['reward']:+.2f}] {r['prompt'][-60:]!r} -> {r['completion'][:120]!r}" for r in rows]
+    print("\n".join(lines))
+    if "wandb" in report_to:
+        import wandb
+
+        if wandb.run is not None:
+            table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
+            wandb.log({"completions": table}, commit=False)

@@ -1,0 +1,44 @@
+"""Tiny Llama / GPT-2 models and a byte-level tokenizer, built offline from configs."""
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (256 bytes + 3 specials) with a ChatML template; eos = <|im_end|>."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(SPECIALS + sorted(alphabet))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|im_end|>", bos_token="<|im_start|>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_llama(seed: int = 0, vocab_size: int = 259) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+    )
+    return LlamaForCausalLM(config)
+
+
+def tiny_gpt2(seed: int = 0, vocab_size: int = 259) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=512, pad_token_id=0, eos_token_id=2,
+        bos_token_id=1,
+    )
+    return GPT2LMHeadModel(config)
