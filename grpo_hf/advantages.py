@@ -13,7 +13,9 @@ import torch
 EPS = 1e-4
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group"
+) -> torch.Tensor:
     """(N,) advantages for N = groups x num_generations rewards laid out group by group."""
     if rewards.dim() != 1 or rewards.numel() % num_generations:
         raise ValueError(

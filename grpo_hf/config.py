@@ -22,7 +22,9 @@ class GRPOConfig(TrainingArguments):
     """Training arguments for `GRPOTrainer`; every GRPO field carries its help text below."""
 
     # ---- Overridden TrainingArguments defaults -------------------------------------------------
-    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate (1e-6 as in DeepSeekMath)."})
+    learning_rate: float = field(
+        default=1e-6, metadata={"help": "AdamW learning rate (1e-6 as in DeepSeekMath)."}
+    )
     logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Keep dataset columns: they reach the reward functions."}
@@ -35,13 +37,17 @@ class GRPOConfig(TrainingArguments):
         metadata={"help": "Prompts longer than this many tokens keep their last tokens (with a warning)."},
     )
     max_completion_length: int = field(default=256, metadata={"help": "Maximum new tokens per completion."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; log-probs use the same."})
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature; log-probs use the same."}
+    )
     top_k: int = field(default=0, metadata={"help": "Keep only the k most likely tokens; 0 disables."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass; 1.0 disables."})
     min_p: float | None = field(
         default=None, metadata={"help": "Drop tokens below min_p times the top token's probability."}
     )
-    repetition_penalty: float = field(default=1.0, metadata={"help": "Penalty for repeated tokens; 1.0 disables."})
+    repetition_penalty: float = field(
+        default=1.0, metadata={"help": "Penalty for repeated tokens; 1.0 disables."}
+    )
     steps_per_generation: int | None = field(
         default=None,
         metadata={"help": "Micro-steps fed by one generation round; default gradient_accumulation_steps."},
@@ -97,7 +103,8 @@ class GRPOConfig(TrainingArguments):
         metadata={"help": "'token' ratios (GRPO) or one ratio per sequence (GSPO, arXiv 2507.18071)."},
     )
     entropy_coef: float = field(
-        default=0.0, metadata={"help": "Entropy bonus coefficient (arXiv 2504.20571): loss -= coef * entropy."}
+        default=0.0,
+        metadata={"help": "Entropy bonus coefficient (arXiv 2504.20571): loss -= coef * entropy."},
     )
 
     # ---- KL to the reference -------------------------------------------------------------------
@@ -109,7 +116,9 @@ class GRPOConfig(TrainingArguments):
     )
     target_kl: float | None = field(
         default=None,
-        metadata={"help": "Adaptive KL: beta follows a proportional controller towards this KL (arXiv 1909.08593)."},
+        metadata={
+            "help": "Adaptive KL: beta follows a proportional controller towards this KL (arXiv 1909.08593)."
+        },
     )
     kl_horizon: int = field(
         default=10000, metadata={"help": "Adaptive KL horizon, in completions (10000 in arXiv 1909.08593)."}
@@ -120,7 +129,9 @@ class GRPOConfig(TrainingArguments):
     ref_model_mixup_alpha: float = field(
         default=0.6, metadata={"help": "Reference update: ref = alpha * policy + (1 - alpha) * ref."}
     )
-    ref_model_sync_steps: int = field(default=512, metadata={"help": "Optimizer steps between reference updates."})
+    ref_model_sync_steps: int = field(
+        default=512, metadata={"help": "Optimizer steps between reference updates."}
+    )
 
     disable_dropout: bool = field(
         default=True,
@@ -161,13 +172,20 @@ class GRPOConfig(TrainingArguments):
             ("reward_error_policy", REWARD_ERROR_POLICIES),
         ):
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}; set {name} to one of them.")
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not one of {allowed}; set {name} to one of them."
+                )
         if self.generation_dtype not in (None, "bfloat16", "float16", "float32"):
-            raise ValueError(f"generation_dtype={self.generation_dtype!r}: use 'bfloat16', 'float16' or 'float32'.")
+            raise ValueError(
+                f"generation_dtype={self.generation_dtype!r}: use 'bfloat16', 'float16' or 'float32'."
+            )
 
     def _check_ranges(self) -> None:
         checks = [
-            (self.num_generations >= 2, "num_generations must be >= 2: a group of one has no relative advantage"),
+            (
+                self.num_generations >= 2,
+                "num_generations must be >= 2: a group of one has no relative advantage",
+            ),
             (self.max_completion_length >= 1, "max_completion_length must be >= 1"),
             (self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length must be >= 1"),
             (self.temperature > 0, "temperature must be > 0 (log-probs divide by it)"),

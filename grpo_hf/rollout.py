@@ -35,7 +35,10 @@ class Rollout:
 
 
 def tokenize_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_prompt_length: int | None, device: torch.device
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    max_prompt_length: int | None,
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded (B, P) ids and mask; over-long prompts keep their last tokens, with a warning.
 
@@ -63,7 +66,9 @@ def tokenize_prompts(
     return ids.to(device), mask.to(device)
 
 
-def completion_mask_after_eos(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_mask_after_eos(
+    completion_ids: torch.Tensor, eos_token_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, C) mask up to and including the first EOS, and (B,) truncated = no EOS at all."""
     is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))  # (B, C)
     eos_seen_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # (B, C) EOS count strictly before t

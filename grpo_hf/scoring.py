@@ -49,7 +49,9 @@ def score_completions(
         if isinstance(func, RewardModel):
             values = score_with_model(func, prompts, completions)
         else:
-            values, failed = _call_reward_function(func, prompts, completions, completion_ids, columns, error_policy)
+            values, failed = _call_reward_function(
+                func, prompts, completions, completion_ids, columns, error_policy
+            )
             errors += failed
         columns_out.append(values)
     rewards = torch.tensor(columns_out, dtype=torch.float32, device=device).T  # (N, F)
@@ -86,7 +88,12 @@ def _call_one_by_one(
     for i, completion in enumerate(completions):
         row_columns = {key: column[i : i + 1] for key, column in columns.items()}
         try:
-            value = func(prompts=prompts[i : i + 1], completions=[completion], completion_ids=completion_ids[i : i + 1], **row_columns)
+            value = func(
+                prompts=prompts[i : i + 1],
+                completions=[completion],
+                completion_ids=completion_ids[i : i + 1],
+                **row_columns,
+            )
         except Exception as err:
             if error_policy != "zero":
                 raise RuntimeError(
@@ -107,17 +114,23 @@ def check_reward_values(name: str, values: object, expected: int) -> list[float]
     """Validate one reward function's output; None becomes NaN ("does not apply")."""
     if not isinstance(values, list | tuple) or len(values) != expected:
         got = f"{len(values)} values" if isinstance(values, list | tuple) else type(values).__name__
-        raise RewardOutputError(f"Reward function {name!r} returned {got} for {expected} completions; return a list with one float (or None) per completion.")
+        raise RewardOutputError(
+            f"Reward function {name!r} returned {got} for {expected} completions; return a list with one float (or None) per completion."
+        )
     out = []
     for value in values:
         if value is None:
             out.append(math.nan)
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) and not _is_scalar_tensor(value):
-            raise RewardOutputError(f"Reward function {name!r} returned {value!r} ({type(value).__name__}); rewards must be floats or None.")
+            raise RewardOutputError(
+                f"Reward function {name!r} returned {value!r} ({type(value).__name__}); rewards must be floats or None."
+            )
         value = float(value)
         if not math.isfinite(value):
-            raise RewardOutputError(f"Reward function {name!r} returned {value}; rewards must be finite (use None for 'does not apply').")
+            raise RewardOutputError(
+                f"Reward function {name!r} returned {value}; rewards must be finite (use None for 'does not apply')."
+            )
         out.append(value)
     return out
 
@@ -129,8 +142,13 @@ def _is_scalar_tensor(value: object) -> bool:
 @torch.no_grad()
 def score_with_model(reward: RewardModel, prompts: list, completions: list) -> list[float]:
     """The reward model's first logit for each prompt + completion."""
-    texts = [_join(reward.tokenizer, prompt, completion) for prompt, completion in zip(prompts, completions, strict=True)]
-    encoded = reward.tokenizer(texts, return_tensors="pt", padding=True, truncation=True, add_special_tokens=True)
+    texts = [
+        _join(reward.tokenizer, prompt, completion)
+        for prompt, completion in zip(prompts, completions, strict=True)
+    ]
+    encoded = reward.tokenizer(
+        texts, return_tensors="pt", padding=True, truncation=True, add_special_tokens=True
+    )
     device = next(reward.model.parameters()).device
     logits = reward.model(**{k: v.to(device) for k, v in encoded.items()}).logits  # (N, labels)
     return logits[:, 0].float().tolist()

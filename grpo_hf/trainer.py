@@ -54,7 +54,9 @@ class GroupSampler(Sampler[int]):
     own contiguous slice of every generation batch.
     """
 
-    def __init__(self, num_prompts: int, num_generations: int, prompts_per_batch: int, repeats: int, seed: int):
+    def __init__(
+        self, num_prompts: int, num_generations: int, prompts_per_batch: int, repeats: int, seed: int
+    ):
         self.num_prompts, self.num_generations = num_prompts, num_generations
         self.prompts_per_batch, self.repeats, self.seed = prompts_per_batch, repeats, seed
         self.epoch = 0
@@ -67,12 +69,19 @@ class GroupSampler(Sampler[int]):
         order = torch.randperm(self.num_prompts, generator=generator).tolist()
         usable = len(order) - len(order) % self.prompts_per_batch
         for start in range(0, usable, self.prompts_per_batch):
-            batch = [i for i in order[start : start + self.prompts_per_batch] for _ in range(self.num_generations)]
+            batch = [
+                i for i in order[start : start + self.prompts_per_batch] for _ in range(self.num_generations)
+            ]
             for _ in range(self.repeats):
                 yield from batch
 
     def __len__(self) -> int:
-        return (self.num_prompts // self.prompts_per_batch) * self.prompts_per_batch * self.num_generations * self.repeats
+        return (
+            (self.num_prompts // self.prompts_per_batch)
+            * self.prompts_per_batch
+            * self.num_generations
+            * self.repeats
+        )
 
 
 class _NonFiniteGuard(TrainerCallback):
@@ -145,7 +154,9 @@ class GRPOTrainer(Trainer):
         if peft_config is not None:
             model = wrap_with_peft(model, peft_config, args.gradient_checkpointing)
         if args.sync_ref_model and peft_config is not None:
-            raise ValueError("sync_ref_model needs a copied reference; with peft_config the base model is it.")
+            raise ValueError(
+                "sync_ref_model needs a copied reference; with peft_config the base model is it."
+            )
         self.reward_funcs = [
             load_reward_model(f, tok) if isinstance(f, str | PreTrainedModel) else f
             for f, tok in zip(funcs, reward_processing_classes or [None] * len(funcs), strict=True)
@@ -175,7 +186,10 @@ class GRPOTrainer(Trainer):
         self._micro_step = 0
         self._buffer: list[dict] = []
         self._round_kl: list[float] = []
-        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._metrics: dict[str, dict[str, list[float]]] = {
+            "train": defaultdict(list),
+            "eval": defaultdict(list),
+        }
         self._completion_rows: list[dict] = []
         self.add_callback(_NonFiniteGuard(self))
 
@@ -231,15 +245,24 @@ class GRPOTrainer(Trainer):
         seconds = time.perf_counter() - start
         completions = self.decode_completions(result, chat=not isinstance(prompts[0], str))
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-        completion_ids = [ids[mask.bool()].tolist() for ids, mask in zip(result.completion_ids, result.completion_mask, strict=True)]
+        completion_ids = [
+            ids[mask.bool()].tolist()
+            for ids, mask in zip(result.completion_ids, result.completion_mask, strict=True)
+        ]
         rewards_per_func, errors = score_completions(
             self.reward_funcs, prompts, completions, completion_ids, columns, args.reward_error_policy, device
         )
         advantages, rewards = self._advantages(rewards_per_func)
-        loss_mask = result.completion_mask * (~result.truncated).unsqueeze(1) if args.mask_truncated_completions else result.completion_mask
+        loss_mask = (
+            result.completion_mask * (~result.truncated).unsqueeze(1)
+            if args.mask_truncated_completions
+            else result.completion_mask
+        )
         self._record_round(result, rewards_per_func, rewards, advantages, errors, seconds)
         self._record_completion_rows(prompts, completions, rewards)
-        normalizer = self.accelerator.gather(loss_mask.sum().float()).sum() / (self.accelerator.num_processes * args.steps_per_generation)
+        normalizer = self.accelerator.gather(loss_mask.sum().float()).sum() / (
+            self.accelerator.num_processes * args.steps_per_generation
+        )
         batch = {
             "input_ids": result.input_ids,
             "attention_mask": result.attention_mask,
@@ -256,16 +279,26 @@ class GRPOTrainer(Trainer):
         width = batch["completion_mask"].shape[1]
         with torch.no_grad():
             if self.needs_old_logps():
-                batch["old_logps"] = completion_logps(self.model_wrapped, batch["input_ids"], batch["attention_mask"], width, self.args.temperature)[0]
+                batch["old_logps"] = completion_logps(
+                    self.model_wrapped,
+                    batch["input_ids"],
+                    batch["attention_mask"],
+                    width,
+                    self.args.temperature,
+                )[0]
             if self.beta > 0:
                 with reference_context(self.model, self.ref_model) as ref:
-                    batch["ref_logps"] = completion_logps(ref, batch["input_ids"], batch["attention_mask"], width, self.args.temperature)[0]
+                    batch["ref_logps"] = completion_logps(
+                        ref, batch["input_ids"], batch["attention_mask"], width, self.args.temperature
+                    )[0]
         return batch
 
     def needs_old_logps(self) -> bool:
         """Old log-probs differ from the current ones only if the policy moves within a round."""
         args = self.args
-        return self.model.training and (args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps)
+        return self.model.training and (
+            args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        )
 
     def render_prompt(self, prompt: str | list[dict]) -> str:
         """A prompt as text: plain text as is, chat messages through the tokenizer's chat template."""
@@ -313,14 +346,30 @@ class GRPOTrainer(Trainer):
         args = self.args
         width = inputs["completion_mask"].shape[1]
         logps, entropy = completion_logps(
-            model, inputs["input_ids"], inputs["attention_mask"], width, args.temperature,
-            with_entropy=True, entropy_grad=args.entropy_coef > 0,
+            model,
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            width,
+            args.temperature,
+            with_entropy=True,
+            entropy_grad=args.entropy_coef > 0,
         )  # (B, C), (B, C)
         loss, metrics = grpo_loss(
-            logps, inputs.get("old_logps"), inputs.get("ref_logps"), inputs["advantages"], inputs["completion_mask"],
-            loss_type=args.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
-            beta=self.beta, kl_estimator=args.kl_estimator, importance_sampling_level=args.importance_sampling_level,
-            max_completion_length=args.max_completion_length, entropy=entropy, entropy_coef=args.entropy_coef,
+            logps,
+            inputs.get("old_logps"),
+            inputs.get("ref_logps"),
+            inputs["advantages"],
+            inputs["completion_mask"],
+            loss_type=args.loss_type,
+            epsilon=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            delta=args.delta,
+            beta=self.beta,
+            kl_estimator=args.kl_estimator,
+            importance_sampling_level=args.importance_sampling_level,
+            max_completion_length=args.max_completion_length,
+            entropy=entropy,
+            entropy_coef=args.entropy_coef,
             dapo_normalizer=inputs["dapo_normalizer"],
         )
         if "kl" in metrics and model.training:
@@ -339,8 +388,12 @@ class GRPOTrainer(Trainer):
     def _update_adaptive_beta(self) -> None:
         if self.args.target_kl is None or not self._round_kl:
             return
-        kl = self.accelerator.reduce(torch.tensor(sum(self._round_kl) / len(self._round_kl), device=self.accelerator.device), "mean").item()
-        self.beta = adaptive_beta(self.beta, kl, self.args.target_kl, self.args.generation_batch_size, self.args.kl_horizon)
+        kl = self.accelerator.reduce(
+            torch.tensor(sum(self._round_kl) / len(self._round_kl), device=self.accelerator.device), "mean"
+        ).item()
+        self.beta = adaptive_beta(
+            self.beta, kl, self.args.target_kl, self.args.generation_batch_size, self.args.kl_horizon
+        )
         self._round_kl = []
 
     def after_optimizer_step(self) -> None:
@@ -348,7 +401,9 @@ class GRPOTrainer(Trainer):
         args = self.args
         if args.sync_ref_model and self.state.global_step % args.ref_model_sync_steps == 0:
             mix_into_reference(
-                self.accelerator.unwrap_model(self.ref_model), self.accelerator.unwrap_model(self.model), args.ref_model_mixup_alpha
+                self.accelerator.unwrap_model(self.ref_model),
+                self.accelerator.unwrap_model(self.model),
+                args.ref_model_mixup_alpha,
             )
 
     # ---- Metrics ------------------------------------------------------------------------------
@@ -369,7 +424,10 @@ class GRPOTrainer(Trainer):
         values = {
             "reward": rewards.mean().item(),
             "reward_std": group_std.mean().item(),
-            "frac_reward_zero_std": group_std_is_zero(rewards, self.args.num_generations).float().mean().item(),
+            "frac_reward_zero_std": group_std_is_zero(rewards, self.args.num_generations)
+            .float()
+            .mean()
+            .item(),
             "advantage/abs_mean": all_adv.abs().mean().item(),
             "advantage/min": all_adv.min().item(),
             "advantage/max": all_adv.max().item(),
@@ -377,7 +435,9 @@ class GRPOTrainer(Trainer):
             "completions/min_length": lengths.min().item(),
             "completions/max_length": lengths.max().item(),
             "completions/clipped_ratio": truncated.mean().item(),
-            "generation/tokens_per_second": lengths.sum().item() / max(seconds, 1e-9) / self.accelerator.num_processes,
+            "generation/tokens_per_second": lengths.sum().item()
+            / max(seconds, 1e-9)
+            / self.accelerator.num_processes,
             "reward_errors": gather(torch.tensor([float(errors)], device=rewards.device)).sum().item(),
             "beta": self.beta,
         }
@@ -391,7 +451,10 @@ class GRPOTrainer(Trainer):
         n = len(prompts)
         start = self.accelerator.process_index * n
         local_rewards = rewards[start : start + n].tolist()
-        rows = [{"step": self.state.global_step, "prompt": _text(p), "completion": _text(c), "reward": r} for p, c, r in zip(prompts, completions, local_rewards, strict=True)]
+        rows = [
+            {"step": self.state.global_step, "prompt": _text(p), "completion": _text(c), "reward": r}
+            for p, c, r in zip(prompts, completions, local_rewards, strict=True)
+        ]
         self._completion_rows = gather_object(rows)[: self.args.num_completions_to_print]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -400,7 +463,9 @@ class GRPOTrainer(Trainer):
         metrics = self._metrics[mode]
         if metrics:
             keys = sorted(metrics)
-            local = torch.tensor([sum(metrics[k]) / len(metrics[k]) for k in keys], device=self.accelerator.device)
+            local = torch.tensor(
+                [sum(metrics[k]) / len(metrics[k]) for k in keys], device=self.accelerator.device
+            )
             averaged = self.accelerator.reduce(local, "mean").tolist()
             prefix = "eval_" if mode == "eval" else ""
             logs.update({prefix + k: v for k, v in zip(keys, averaged, strict=True)})
@@ -442,19 +507,27 @@ def check_prompt_dataset(dataset, name: str) -> None:
     """Fail early, naming the column, on a dataset the trainer cannot use."""
     columns = getattr(dataset, "column_names", None)
     if columns is not None and "prompt" not in columns:
-        raise ValueError(f"{name} has no 'prompt' column (columns: {columns}); rename the prompt column to 'prompt'.")
+        raise ValueError(
+            f"{name} has no 'prompt' column (columns: {columns}); rename the prompt column to 'prompt'."
+        )
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty.")
     prompts = dataset["prompt"] if columns is not None else [row["prompt"] for row in dataset]
     kinds = {"text" if isinstance(p, str) else "chat" if _is_chat(p) else type(p).__name__ for p in prompts}
     if kinds - {"text", "chat"}:
-        raise ValueError(f"{name}: 'prompt' must be a string or a list of {{'role', 'content'}} messages; found {kinds - {'text', 'chat'}}.")
+        raise ValueError(
+            f"{name}: 'prompt' must be a string or a list of {{'role', 'content'}} messages; found {kinds - {'text', 'chat'}}."
+        )
     if len(kinds) > 1:
-        raise ValueError(f"{name}: 'prompt' mixes plain-text and chat-format rows; use one format for all rows.")
+        raise ValueError(
+            f"{name}: 'prompt' mixes plain-text and chat-format rows; use one format for all rows."
+        )
 
 
 def _is_chat(prompt: object) -> bool:
-    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+    return isinstance(prompt, list) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+    )
 
 
 def _text(value: str | list[dict]) -> str:
@@ -472,7 +545,9 @@ def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     attention = batch["attention_mask"]
     prompt_width = attention.shape[1] - batch["completion_mask"].shape[1]
     first = int(attention[:, :prompt_width].any(dim=0).float().argmax())
-    last = int(batch["completion_mask"].any(dim=0).nonzero().max()) + 1 if batch["completion_mask"].any() else 1
+    last = (
+        int(batch["completion_mask"].any(dim=0).nonzero().max()) + 1 if batch["completion_mask"].any() else 1
+    )
     out = dict(batch)
     out["input_ids"] = batch["input_ids"][:, first : prompt_width + last]
     out["attention_mask"] = attention[:, first : prompt_width + last]
@@ -487,7 +562,9 @@ def disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
 
 
-def wrap_with_peft(model: PreTrainedModel, peft_config: PeftConfig, gradient_checkpointing: bool) -> nn.Module:
+def wrap_with_peft(
+    model: PreTrainedModel, peft_config: PeftConfig, gradient_checkpointing: bool
+) -> nn.Module:
     """LoRA (or another PEFT method) around the model, with a clear error for unknown target modules."""
     if gradient_checkpointing:
         model.enable_input_require_grads()
@@ -514,7 +591,9 @@ def load_reward_model(model: str | PreTrainedModel, tokenizer: PreTrainedTokeniz
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
     model.eval().requires_grad_(False)
-    return RewardModel(model, tokenizer, name=model.name_or_path.rstrip("/").rsplit("/", 1)[-1] or type(model).__name__)
+    return RewardModel(
+        model, tokenizer, name=model.name_or_path.rstrip("/").rsplit("/", 1)[-1] or type(model).__name__
+    )
 
 
 def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -523,13 +602,17 @@ def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
     if not ids:
-        raise ValueError("Neither the tokenizer nor the model's generation_config has an eos token; set tokenizer.eos_token.")
+        raise ValueError(
+            "Neither the tokenizer nor the model's generation_config has an eos token; set tokenizer.eos_token."
+        )
     return sorted(ids)
 
 
 def log_completion_table(rows: list[dict], report_to: list[str], step: int) -> None:
     """Print sample completions with their rewards, and send them to wandb as a table."""
-    lines = [f"completions at step {step}:"] + [f"  [{r['reward']:+.2f}] {r['prompt'][-60:]!r} -> {r['completion'][:120]!r}" for r in rows]
+    lines = [f"completions at step {step}:"] + [
+        f"  [{r['reward']:+.2f}] {r['prompt'][-60:]!r} -> {r['completion'][:120]!r}" for r in rows
+    ]
     print("\n".join(lines))
     if "wandb" in report_to:
         import wandb

@@ -29,8 +29,16 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_llama(seed: int = 0, vocab_size: int = 259) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=1,
     )
     return LlamaForCausalLM(config)
 
@@ -38,7 +46,13 @@ def tiny_llama(seed: int = 0, vocab_size: int = 259) -> LlamaForCausalLM:
 def tiny_gpt2(seed: int = 0, vocab_size: int = 259) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=512, pad_token_id=0, eos_token_id=2,
+        vocab_size=vocab_size,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=512,
+        pad_token_id=0,
+        eos_token_id=2,
         bos_token_id=1,
     )
     return GPT2LMHeadModel(config)

@@ -1,0 +1,55 @@
+"""Shared pieces for trainer tests: a prompt dataset, rewards, and a trainer with fixed completions."""
+
+import torch
+from datasets import Dataset
+
+from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.rollout import Rollout, completion_mask_after_eos
+
+
+def chat_dataset(n: int = 8) -> Dataset:
+    prompts = [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(n)]
+    return Dataset.from_dict({"prompt": prompts, "answer": [str(2 * i) for i in range(n)]})
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """Longer completions score higher: enough signal to move parameters."""
+    return [len(c[0]["content"] if isinstance(c, list) else c) / 10 for c in completions]
+
+
+def make_config(tmp_path, **overrides) -> GRPOConfig:
+    settings = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return GRPOConfig(**settings)
+
+
+class FixedCompletionsTrainer(GRPOTrainer):
+    """Completions are a pure function of the prompt row, so runs with different batch shapes agree.
+
+    Row r of every group gets (r % G) + 2 tokens of a prompt-dependent pattern, then EOS.
+    """
+
+    def generate_completions(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rollout:
+        width = self.args.max_completion_length
+        eos = self.eos_token_ids[0]
+        rows = []
+        for i, ids in enumerate(prompt_ids):
+            length = i % self.args.num_generations + 2
+            seed = int(ids[prompt_mask[i].bool()].sum())
+            tokens = [(seed * (t + 3) + 7 * t) % 200 + 40 for t in range(length)] + [eos]
+            rows.append((tokens + [self.processing_class.pad_token_id] * width)[:width])
+        completion_ids = torch.tensor(rows, device=prompt_ids.device)  # (B, C)
+        mask, truncated = completion_mask_after_eos(completion_ids, self.eos_token_ids)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated)
