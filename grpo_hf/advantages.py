@@ -24,6 +24,9 @@ def group_advantages(
         )
     grouped = rewards.view(-1, num_generations)  # (groups, G)
     centred = grouped - grouped.mean(dim=1, keepdim=True)  # (groups, G)
+    # A float mean of equal values can miss them (six 0.3s: off by 3e-8, which / eps is 3e-4):
+    # zero constant groups explicitly so they give exactly 0.
+    centred = centred.masked_fill(group_std_is_zero(rewards, num_generations).unsqueeze(1), 0.0)
     if scale_rewards == "group":
         scale = grouped.std(dim=1, keepdim=True) + EPS  # (groups, 1)
     elif scale_rewards == "batch":

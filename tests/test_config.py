@@ -1,0 +1,79 @@
+"""GRPOConfig: every check names the setting to change; derived batch sizes."""
+
+import pytest
+
+from grpo_hf.config import GRPOConfig
+
+
+def make(tmp_path, **kwargs) -> GRPOConfig:
+    return GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"num_generations": 1}, ["num_generations"]),
+        ({"temperature": 0.0}, ["temperature"]),
+        ({"beta": -1.0}, ["beta"]),
+        ({"epsilon": 0.0}, ["epsilon"]),
+        ({"epsilon_high": -0.1}, ["epsilon_high"]),
+        ({"delta": 1.1}, ["delta", "epsilon_high"]),  # must exceed 1 + epsilon_high = 1.2
+        ({"target_kl": 0.1, "beta": 0.0}, ["target_kl", "beta"]),
+        ({"loss_type": "ppo"}, ["loss_type"]),
+        ({"kl_estimator": "k4"}, ["kl_estimator"]),
+        ({"scale_rewards": "local"}, ["scale_rewards"]),
+        ({"importance_sampling_level": "group"}, ["importance_sampling_level"]),
+        # 6 completions per round cannot hold whole groups of 4
+        (
+            {"per_device_train_batch_size": 6, "num_generations": 4},
+            ["per_device_train_batch_size", "num_generations"],
+        ),
+        (
+            {"generation_batch_size": 16, "steps_per_generation": 2},
+            ["generation_batch_size", "steps_per_generation"],
+        ),
+        # 12 completions per round is not a whole number of micro-batches of 8
+        (
+            {"generation_batch_size": 12, "num_generations": 4},
+            ["generation_batch_size", "per_device_train_batch_size"],
+        ),
+    ],
+    ids=lambda value: "-".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else None,
+)
+def test_errors_name_the_setting(tmp_path, kwargs, names):
+    with pytest.raises(ValueError) as error:
+        make(tmp_path, **kwargs)
+    for name in names:
+        assert name in str(error.value), str(error.value)
+
+
+def test_defaults(tmp_path):
+    config = make(tmp_path)
+    assert config.epsilon_high == config.epsilon == 0.2
+    assert config.steps_per_generation == config.gradient_accumulation_steps == 1
+    assert config.generation_batch_size == 8  # per_device_train_batch_size 8 x 1 process x 1 step
+    assert config.loss_type == "dapo" and config.kl_estimator == "k3" and config.scale_rewards == "group"
+
+
+def test_epsilon_high_follows_epsilon_unless_set(tmp_path):
+    assert make(tmp_path, epsilon=0.3).epsilon_high == 0.3
+    config = make(tmp_path, epsilon=0.2, epsilon_high=0.28)
+    assert (config.epsilon, config.epsilon_high) == (0.2, 0.28)
+
+
+def test_steps_per_generation_defaults_to_gradient_accumulation(tmp_path):
+    config = make(tmp_path, per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=3)
+    assert config.steps_per_generation == 3
+    assert config.generation_batch_size == 12  # 4 x 1 process x 3 steps
+
+
+def test_generation_batch_size_derives_steps_per_generation(tmp_path):
+    config = make(tmp_path, per_device_train_batch_size=4, num_generations=4, generation_batch_size=16)
+    assert config.steps_per_generation == 4  # 16 / (4 x 1 process)
+    assert config.generation_batch_size == 16
+
+
+def test_steps_per_generation_derives_generation_batch_size(tmp_path):
+    # 6 per micro-step is not a multiple of 4, but 2 steps make 12 = 3 whole groups
+    config = make(tmp_path, per_device_train_batch_size=6, num_generations=4, steps_per_generation=2)
+    assert config.generation_batch_size == 12

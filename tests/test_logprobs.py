@@ -1,0 +1,122 @@
+"""Per-token log-probs and entropy: against a direct log_softmax, and through a tiny Llama."""
+
+import math
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+from grpo_hf.logprobs import completion_logps, position_ids_from_mask, token_logps_and_entropy
+
+
+def direct(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
+    """The plain (B, C, V) computation the row-by-row one must match."""
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, C, V)
+    logps = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, C)
+    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)  # (B, C)
+    return logps, entropy
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_matches_direct_log_softmax(temperature):
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(2, 4, 7)  # (B, C, V)
+    targets = torch.randint(0, 7, (2, 4))  # (B, C)
+    logps, entropy = token_logps_and_entropy(logits, targets, temperature, with_entropy=True)
+    want_logps, want_entropy = direct(logits, targets, temperature)
+    assert logps.shape == entropy.shape == (2, 4)
+    torch.testing.assert_close(logps, want_logps)
+    torch.testing.assert_close(entropy, want_entropy)
+
+
+def test_temperature_divides_the_logits():
+    logits = torch.tensor([[[2.0, 0.0]]])  # (1, 1, 2)
+    # temperature 2 -> logits (1, 0): log p(0) = 1 - log(e + 1) = -0.313262
+    logps, _ = token_logps_and_entropy(logits, torch.tensor([[0]]), temperature=2.0)
+    assert logps.item() == pytest.approx(1 - math.log(math.e + 1))
+
+
+def test_uniform_distribution_has_entropy_log_v():
+    V = 8
+    logits = torch.full((1, 3, V), 5.0)  # (1, 3, V): equal logits, any temperature
+    logps, entropy = token_logps_and_entropy(
+        logits, torch.zeros(1, 3, dtype=torch.long), 2.0, with_entropy=True
+    )
+    torch.testing.assert_close(entropy, torch.full((1, 3), math.log(V)))  # log 8 = 2.0794
+    torch.testing.assert_close(logps, torch.full((1, 3), -math.log(V)))
+
+
+def test_bf16_logits_are_computed_in_float32():
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(2, 3, 11)).to(torch.bfloat16)  # (B, C, V) bf16
+    targets = torch.randint(0, 11, (2, 3))  # (B, C)
+    logps, entropy = token_logps_and_entropy(logits, targets, with_entropy=True)
+    assert logps.dtype == entropy.dtype == torch.float32
+    want_logps, want_entropy = direct(logits.float(), targets)  # the bf16 values, upcast first
+    torch.testing.assert_close(logps, want_logps, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-6, atol=1e-6)
+
+
+def test_no_entropy_unless_asked():
+    logps, entropy = token_logps_and_entropy(torch.randn(1, 2, 5), torch.zeros(1, 2, dtype=torch.long))
+    assert entropy is None
+    assert logps.shape == (1, 2)
+
+
+def test_entropy_carries_grad_only_with_entropy_grad():
+    logits = torch.randn(2, 3, 5, requires_grad=True)  # (B, C, V)
+    targets = torch.zeros(2, 3, dtype=torch.long)  # (B, C)
+    logps, entropy = token_logps_and_entropy(logits, targets, with_entropy=True)
+    assert logps.requires_grad and not entropy.requires_grad  # a metric: no (C, V) graph kept
+    _, entropy = token_logps_and_entropy(logits, targets, with_entropy=True, entropy_grad=True)
+    assert entropy.requires_grad  # an entropy bonus: gradients flow
+    (grad,) = torch.autograd.grad(entropy.sum(), logits)
+    assert grad.abs().sum() > 0
+    with torch.no_grad():
+        _, entropy = token_logps_and_entropy(logits, targets, with_entropy=True, entropy_grad=True)
+    assert not entropy.requires_grad
+
+
+def test_position_ids_skip_left_padding():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # (2, 5)
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+# ---- Through a tiny Llama ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_llama().eval()
+
+
+PROMPT_AND_COMPLETION = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])  # (1, 7): prompt 4, completion C = 3
+C = 3
+
+
+def test_completion_logps_match_a_full_forward(model):
+    temperature = 0.7
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26]])  # (2, 7)
+    mask = torch.ones_like(ids)  # (2, 7)
+    logps, entropy = completion_logps(model, ids, mask, C, temperature, with_entropy=True)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits  # (2, 7, V)
+    # Position t predicts token t + 1: positions 3..5 predict the completion tokens 4..6.
+    want_logps, want_entropy = direct(logits[:, -C - 1 : -1], ids[:, -C:], temperature)  # (2, C)
+    assert logps.shape == (2, C)
+    torch.testing.assert_close(logps, want_logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-5, atol=1e-5)
+
+
+def test_left_padded_row_equals_the_unpadded_row(model):
+    pad = 0
+    alone, _ = completion_logps(model, PROMPT_AND_COMPLETION, torch.ones(1, 7, dtype=torch.long), C)  # (1, C)
+    padded_ids = torch.tensor(
+        [[pad, pad, 5, 6, 7, 8, 9, 10, 11], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+    )  # (2, 9)
+    padded_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])  # (2, 9)
+    batched, _ = completion_logps(model, padded_ids, padded_mask, C)  # (2, C)
+    torch.testing.assert_close(batched[0:1], alone, rtol=0, atol=1e-5)
+    # The check can fail: attending to the pads (mask of ones) moves the log-probs.
+    unmasked, _ = completion_logps(model, padded_ids, torch.ones_like(padded_ids), C)  # (2, C)
+    assert (unmasked[0:1] - alone).abs().max() > 1e-4
