@@ -10,7 +10,17 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import DynamicCache, GenerationConfig, PreTrainedTokenizerBase
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from grpo_hf.logprobs import position_ids_from_mask
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +42,13 @@ class Rollout:
     @property
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)  # (B, P + C)
+
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict]) -> str:
+    """A prompt as text: plain text as is, chat messages through the tokenizer's chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
 def tokenize_prompts(
@@ -102,6 +119,35 @@ def generation_config(
     )
 
 
+def logits_processors(config: GenerationConfig) -> LogitsProcessorList:
+    """The config's sampling knobs, applied in `generate`'s order: penalty, then the warpers."""
+    processors = LogitsProcessorList()
+    # Unset knobs are None in a GenerationConfig; None and the neutral value both mean "off".
+    if config.repetition_penalty not in (None, 1.0):
+        processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+    if not config.do_sample:
+        return processors
+    if config.temperature not in (None, 1.0):
+        processors.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k:
+        processors.append(TopKLogitsWarper(config.top_k))
+    if config.top_p not in (None, 1.0):
+        processors.append(TopPLogitsWarper(config.top_p))
+    if config.min_p:
+        processors.append(MinPLogitsWarper(config.min_p))
+    return processors
+
+
+def unique_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the distinct consecutive prompt rows, and each row's index into them.
+
+    The group sampler lays each prompt's G copies side by side, so comparing neighbours finds them.
+    """
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(dim=1) & (prompt_mask[1:] == prompt_mask[:-1]).all(dim=1)
+    new = torch.cat([torch.ones(1, dtype=torch.bool, device=same.device), ~same])  # (B,)
+    return new.nonzero().squeeze(1), new.long().cumsum(dim=0) - 1  # (U,), (B,)
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -109,17 +155,65 @@ def generate(
     prompt_mask: torch.Tensor,
     config: GenerationConfig,
 ) -> Rollout:
-    """Sample one completion per prompt row (rows are already repeated G times)."""
+    """One completion per prompt row (rows are already repeated G times), with a KV cache.
+
+    Each distinct prompt is prefilled once and its cache shared by its copies; decoding stops as
+    soon as every row has produced an EOS. Sampling uses the same logits processors as
+    `model.generate`, so the knobs mean what they mean there.
+    """
     was_training = model.training
     model.eval()
     try:
-        sequences = model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config
-        )  # (B, P + C)
+        completion_ids = _decode(model, prompt_ids, prompt_mask, config)  # (B, C)
     finally:
         model.train(was_training)
-    completion_ids = sequences[:, prompt_ids.shape[1] :]  # (B, C)
     eos_ids = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)
     completion_ids = completion_ids.masked_fill(mask == 0, config.pad_token_id)
     return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated)
+
+
+def _decode(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
+    """The sampling loop; returns (B, C) new tokens, C <= max_new_tokens."""
+    first, row_to_unique = unique_rows(prompt_ids, prompt_mask)
+    positions = position_ids_from_mask(prompt_mask)  # (B, P)
+    cache = DynamicCache()
+    out = model(
+        input_ids=prompt_ids[first],
+        attention_mask=prompt_mask[first],
+        position_ids=positions[first],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache.batch_select_indices(row_to_unique)
+    logits = out.logits[row_to_unique, -1].float()  # (B, V)
+    processors = logits_processors(config)
+    eos = torch.tensor(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id], device=prompt_ids.device)
+    sequence, attention = prompt_ids, prompt_mask
+    next_position = positions[:, -1:] + 1  # (B, 1)
+    done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
+    new_tokens = []
+    for step in range(config.max_new_tokens):
+        scores = processors(sequence, logits)  # (B, V)
+        if config.do_sample:
+            token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)  # (B,)
+        else:
+            token = scores.argmax(dim=-1)  # (B,)
+        token = token.masked_fill(done, config.pad_token_id)
+        new_tokens.append(token)
+        done = done | torch.isin(token, eos)
+        if done.all() or step + 1 == config.max_new_tokens:
+            break
+        sequence = torch.cat([sequence, token.unsqueeze(1)], dim=1)  # (B, P + t)
+        attention = torch.cat([attention, torch.ones_like(token).unsqueeze(1)], dim=1)  # (B, P + t)
+        out = model(
+            input_ids=token.unsqueeze(1),
+            attention_mask=attention,
+            position_ids=next_position,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits = out.logits[:, -1].float()  # (B, V)
+        next_position = next_position + 1
+    return torch.stack(new_tokens, dim=1)  # (B, C)

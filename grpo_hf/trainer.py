@@ -238,7 +238,7 @@ class GRPOTrainer(Trainer):
         args, device = self.args, self.accelerator.device
         prompts = [row["prompt"] for row in rows]
         prompt_ids, prompt_mask = rollout.tokenize_prompts(
-            self.processing_class, [self.render_prompt(p) for p in prompts], args.max_prompt_length, device
+            self.processing_class, [rollout.render_prompt(self.processing_class, p) for p in prompts], args.max_prompt_length, device
         )
         start = time.perf_counter()
         result = self.generate_completions(prompt_ids, prompt_mask)
@@ -299,12 +299,6 @@ class GRPOTrainer(Trainer):
         return self.model.training and (
             args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
         )
-
-    def render_prompt(self, prompt: str | list[dict]) -> str:
-        """A prompt as text: plain text as is, chat messages through the tokenizer's chat template."""
-        if isinstance(prompt, str):
-            return prompt
-        return self.processing_class.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
     def generate_completions(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> rollout.Rollout:
         """Sample one completion per row. Tests override this to feed fixed completions."""
