@@ -173,7 +173,9 @@ def generate(
     return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated)
 
 
-def _decode(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
+def _decode(
+    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig
+) -> torch.Tensor:
     """The sampling loop; returns (B, C) new tokens, C <= max_new_tokens."""
     first, row_to_unique = unique_rows(prompt_ids, prompt_mask)
     positions = position_ids_from_mask(prompt_mask)  # (B, P)
@@ -189,7 +191,10 @@ def _decode(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     cache.batch_select_indices(row_to_unique)
     logits = out.logits[row_to_unique, -1].float()  # (B, V)
     processors = logits_processors(config)
-    eos = torch.tensor(config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id], device=prompt_ids.device)
+    eos = torch.tensor(
+        config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id],
+        device=prompt_ids.device,
+    )
     sequence, attention = prompt_ids, prompt_mask
     next_position = positions[:, -1:] + 1  # (B, 1)
     done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)

@@ -37,6 +37,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from grpo_hf import rollout
 from grpo_hf.advantages import combine_rewards, group_advantages, group_std_is_zero
 from grpo_hf.config import GRPOConfig
+from grpo_hf.generation_copy import GenerationCopy
 from grpo_hf.logprobs import completion_logps
 from grpo_hf.loss import adaptive_beta, grpo_loss
 from grpo_hf.models import load_model, load_tokenizer
@@ -179,6 +180,7 @@ class GRPOTrainer(Trainer):
         for reward in self.reward_funcs:
             if isinstance(reward, RewardModel):
                 reward.model = self.accelerator.prepare_model(reward.model, evaluation_mode=True)
+        self.generation_copy = self._build_generation_copy()
         self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(funcs), dtype=torch.float32)
         self.beta = args.beta
         self.eos_token_ids = eos_token_ids(self.model, processing_class)
@@ -220,6 +222,19 @@ class GRPOTrainer(Trainer):
     def _get_eval_sampler(self, eval_dataset: Dataset) -> Sampler:
         return GroupSampler(len(eval_dataset), self.args.num_generations, 1, 1, self.args.seed)
 
+    def _build_generation_copy(self) -> GenerationCopy | None:
+        """A low-precision copy to sample from, when generation_dtype (or --bf16) asks for one."""
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        if sharded and self.args.generation_dtype is not None:
+            raise ValueError(
+                "generation_dtype needs the whole model on each process; unset it under FSDP/DeepSpeed."
+            )
+        name = self.args.generation_dtype or ("bfloat16" if self.args.bf16 and not sharded else None)
+        dtype = getattr(torch, name) if name else None
+        if dtype is None or dtype == next(self.model.parameters()).dtype:
+            return None
+        return GenerationCopy(self.model, dtype)
+
     # ---- Generation round ---------------------------------------------------------------------
 
     def _prepare_inputs(self, inputs: list[dict]) -> dict[str, torch.Tensor]:
@@ -238,7 +253,10 @@ class GRPOTrainer(Trainer):
         args, device = self.args, self.accelerator.device
         prompts = [row["prompt"] for row in rows]
         prompt_ids, prompt_mask = rollout.tokenize_prompts(
-            self.processing_class, [rollout.render_prompt(self.processing_class, p) for p in prompts], args.max_prompt_length, device
+            self.processing_class,
+            [rollout.render_prompt(self.processing_class, p) for p in prompts],
+            args.max_prompt_length,
+            device,
         )
         start = time.perf_counter()
         result = self.generate_completions(prompt_ids, prompt_mask)
@@ -277,7 +295,7 @@ class GRPOTrainer(Trainer):
         batch = trim_padding(batch)
         batch["dapo_normalizer"] = normalizer
         width = batch["completion_mask"].shape[1]
-        with torch.no_grad():
+        with torch.no_grad(), self.compute_loss_context_manager():  # the loss's precision (bf16 autocast)
             if self.needs_old_logps():
                 batch["old_logps"] = completion_logps(
                     self.model_wrapped,
@@ -313,7 +331,12 @@ class GRPOTrainer(Trainer):
             pad_token_id=self.processing_class.pad_token_id,
             eos_token_ids=self.eos_token_ids,
         )
-        return rollout.generate(self.accelerator.unwrap_model(self.model), prompt_ids, prompt_mask, config)
+        model = (
+            self.generation_copy.refresh()
+            if self.generation_copy
+            else self.accelerator.unwrap_model(self.model)
+        )
+        return rollout.generate(model, prompt_ids, prompt_mask, config)
 
     def decode_completions(self, result: rollout.Rollout, chat: bool) -> list:
         texts = self.processing_class.batch_decode(result.completion_ids, skip_special_tokens=True)

@@ -10,7 +10,11 @@ from grpo_hf import rollout
 
 def prompts(tokenizer, repeats: int = 3):
     texts = ["What is 1 + 1?", "Hi", "A much longer prompt, to force left padding."]
-    rows = [rollout.render_prompt(tokenizer, [{"role": "user", "content": t}]) for t in texts for _ in range(repeats)]
+    rows = [
+        rollout.render_prompt(tokenizer, [{"role": "user", "content": t}])
+        for t in texts
+        for _ in range(repeats)
+    ]
     return rollout.tokenize_prompts(tokenizer, rows, None, torch.device("cpu"))
 
 
@@ -20,7 +24,9 @@ def test_greedy_decode_matches_model_generate(build):
     ids, mask = prompts(tokenizer)
     config = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=[2])
     ours = rollout.generate(model, ids, mask, config)
-    reference = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+    reference = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[
+        :, ids.shape[1] :
+    ]
     reference_mask, _ = rollout.completion_mask_after_eos(reference, [2])
     width = ours.completion_ids.shape[1]
     assert torch.equal(ours.completion_ids, reference.masked_fill(reference_mask == 0, 0)[:, :width])
@@ -31,15 +37,25 @@ def test_sampling_matches_model_generate_for_the_same_seed(build):
     tokenizer, model = tiny_tokenizer(), build().eval()
     ids, mask = prompts(tokenizer)
     config = GenerationConfig(
-        do_sample=True, temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, max_new_tokens=10,
-        pad_token_id=0, eos_token_id=[2],
+        do_sample=True,
+        temperature=0.7,
+        top_k=50,
+        top_p=0.9,
+        repetition_penalty=1.1,
+        max_new_tokens=10,
+        pad_token_id=0,
+        eos_token_id=[2],
     )
     torch.manual_seed(3)
     ours = rollout.generate(model, ids, mask, config)
     torch.manual_seed(3)
-    reference = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+    reference = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[
+        :, ids.shape[1] :
+    ]
     reference_mask, _ = rollout.completion_mask_after_eos(reference, [2])
-    assert torch.equal(ours.completion_ids, reference.masked_fill(reference_mask == 0, 0)[:, : ours.completion_ids.shape[1]])
+    assert torch.equal(
+        ours.completion_ids, reference.masked_fill(reference_mask == 0, 0)[:, : ours.completion_ids.shape[1]]
+    )
 
 
 def test_completion_mask_ends_after_first_eos_and_flags_truncation():

@@ -1,0 +1,61 @@
+"""The generation copy: the policy's weights (LoRA merged) in another dtype, refreshed each round."""
+
+import torch
+from peft import LoraConfig, get_peft_model
+from tiny_models import tiny_gpt2, tiny_llama, tiny_tokenizer
+from trainer_helpers import chat_dataset, length_reward, make_config
+
+from grpo_hf import GRPOTrainer
+from grpo_hf.generation_copy import GenerationCopy
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def test_lora_copy_equals_the_policy_after_the_adapters_move():
+    for build, targets in ((tiny_llama, ["q_proj", "v_proj"]), (tiny_gpt2, ["c_attn"])):
+        policy = get_peft_model(build().eval(), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        copy = GenerationCopy(policy, torch.float32)
+        with torch.no_grad():
+            for name, param in policy.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.5)  # adapters trained after the copy was made
+        ids = torch.randint(3, 250, (2, 10))
+        stale = logits(copy.model, ids)
+        fresh = logits(copy.refresh(), ids)
+        expected = logits(policy, ids)
+        torch.testing.assert_close(fresh, expected, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(stale, expected, atol=1e-3)  # refresh is what brought it up to date
+        assert not any("lora" in n for n, _ in copy.model.named_parameters())  # plain model, no adapters
+
+
+def test_full_model_copy_in_bf16_tracks_the_policy():
+    policy = tiny_llama().eval()
+    copy = GenerationCopy(policy, torch.bfloat16)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(0.01)
+    ids = torch.randint(3, 250, (2, 10))
+    refreshed = copy.refresh()
+    assert all(p.dtype == torch.bfloat16 for p in refreshed.parameters())
+    torch.testing.assert_close(logits(refreshed, ids), logits(policy, ids), rtol=0.05, atol=0.05)
+
+
+def test_bf16_training_generates_from_the_copy_and_keeps_the_base_frozen(tmp_path):
+    model = tiny_llama()
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, bf16=True),
+        train_dataset=chat_dataset(),
+        processing_class=tiny_tokenizer(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    assert trainer.generation_copy is not None
+    trainer.train()
+    for name, param in trainer.model.get_base_model().named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(param, base[name.replace(".base_layer", "")]), name
