@@ -1,0 +1,92 @@
+"""Checkpoints that a crash cannot corrupt, and a clean stop on SIGTERM / Ctrl-C.
+
+The Trainer writes a checkpoint folder file by file. GRPO's own state (adaptive beta, KL of the
+round so far) is written last, atomically, and doubles as the "complete" marker: resuming with
+`resume_from_checkpoint=True` takes the newest folder that has it, so a crash while saving leaves
+the previous checkpoint in charge. Old checkpoints are rotated only after the new one is complete.
+"""
+
+import contextlib
+import json
+import os
+import re
+import signal
+import threading
+from collections.abc import Iterator
+
+from transformers import TrainerCallback
+
+STATE_FILE = "grpo_state.json"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def write_state(folder: str, state: dict) -> None:
+    """Write the GRPO state into a checkpoint folder atomically (temp file, then rename)."""
+    path = os.path.join(folder, STATE_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def read_state(folder: str) -> dict:
+    """The GRPO state of a complete checkpoint; a clear error for an incomplete one."""
+    path = os.path.join(folder, STATE_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"resume_from_checkpoint={folder!r} is incomplete (no {STATE_FILE}: the run stopped while saving, "
+            "or it was not written by GRPOTrainer). Pass an earlier checkpoint, or resume_from_checkpoint=True "
+            "to take the newest complete one."
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest checkpoint-N folder of `output_dir` holding the completion marker."""
+    if not os.path.isdir(output_dir):
+        return None
+    steps = [int(m.group(1)) for name in os.listdir(output_dir) if (m := _CHECKPOINT.match(name))]
+    for step in sorted(steps, reverse=True):
+        folder = os.path.join(output_dir, f"checkpoint-{step}")
+        if os.path.isfile(os.path.join(folder, STATE_FILE)):
+            return folder
+    return None
+
+
+class SaveOnInterrupt(TrainerCallback):
+    """On SIGTERM or SIGINT: finish the current optimizer step, save a checkpoint, stop cleanly.
+
+    `catching_signals()` installs the handlers around `train()` and always restores the previous
+    ones, even when training raises. A second signal falls back to the previous handler, so an
+    impatient Ctrl-C still interrupts at once.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @contextlib.contextmanager
+    def catching_signals(self) -> Iterator[None]:
+        self.received = None
+        if threading.current_thread() is not threading.main_thread():  # signals are main-thread only
+            yield
+            return
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            signal.signal(signum, self._previous[signum])
+            signal.raise_signal(signum)
+        self.received = signum
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.received is not None:
+            control.should_save = True
+            control.should_training_stop = True
