@@ -11,6 +11,7 @@ How one generation round flows through the Trainer's loop:
 The maths lives in `advantages`, `loss` and `logprobs`; this file only orchestrates.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -20,9 +21,11 @@ from collections.abc import Iterator
 
 import torch
 from accelerate.utils import gather_object
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from datasets import Dataset
 from peft import PeftConfig, get_peft_model
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Sampler
 from transformers import (
     AutoModelForSequenceClassification,
@@ -32,10 +35,11 @@ from transformers import (
     Trainer,
     TrainerCallback,
 )
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import rotate_checkpoints
 
 from grpo_hf import rollout
 from grpo_hf.advantages import combine_rewards, group_advantages, group_std_is_zero
+from grpo_hf.checkpoints import SaveOnInterrupt, last_complete_checkpoint, read_state, write_state
 from grpo_hf.config import GRPOConfig
 from grpo_hf.generation_copy import GenerationCopy
 from grpo_hf.logprobs import completion_logps
@@ -45,7 +49,6 @@ from grpo_hf.reference import build_reference, mix_into_reference, reference_con
 from grpo_hf.scoring import RewardFunc, RewardModel, reward_name, score_completions
 
 logger = logging.getLogger(__name__)
-STATE_FILE = "grpo_state.json"
 
 
 class GroupSampler(Sampler[int]):
@@ -176,7 +179,7 @@ class GRPOTrainer(Trainer):
             ref_model = load_model(ref_model)
         self.ref_model = build_reference(self.model, args.beta, ref_model)
         if self.ref_model is not None:
-            self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+            self.ref_model = self._prepare_reference(self.ref_model)
         for reward in self.reward_funcs:
             if isinstance(reward, RewardModel):
                 reward.model = self.accelerator.prepare_model(reward.model, evaluation_mode=True)
@@ -194,6 +197,23 @@ class GRPOTrainer(Trainer):
         }
         self._completion_rows: list[dict] = []
         self.add_callback(_NonFiniteGuard(self))
+        self.interrupt = SaveOnInterrupt()
+        self.add_callback(self.interrupt)
+
+    def _prepare_reference(self, ref: nn.Module) -> nn.Module:
+        """Place the frozen reference like the policy.
+
+        `prepare_model(evaluation_mode=True)` leaves a model untouched under FSDP: on the CPU,
+        unsharded, where a GPU run would fail and `sync_ref_model` would mix plain tensors into the
+        policy's DTensor shards. Under FSDP2 the reference is sharded like the policy instead.
+        """
+        if not self.is_fsdp_enabled:
+            return self.accelerator.prepare_model(ref, evaluation_mode=True)
+        if not self.accelerator.is_fsdp2:
+            return ref.to(self.accelerator.device)  # FSDP1: a whole frozen copy on each device
+        # Wrap by the policy's layer classes, also for a user-given reference of another class.
+        self.accelerator.state.fsdp_plugin.set_auto_wrap_policy(self.model)
+        return fsdp2_prepare_model(self.accelerator, ref)
 
     # ---- Data ---------------------------------------------------------------------------------
 
@@ -336,7 +356,8 @@ class GRPOTrainer(Trainer):
             if self.generation_copy
             else self.accelerator.unwrap_model(self.model)
         )
-        return rollout.generate(model, prompt_ids, prompt_mask, config)
+        with unsharded_for_generation(model, self.accelerator):
+            return rollout.generate(model, prompt_ids, prompt_mask, config)
 
     def decode_completions(self, result: rollout.Rollout, chat: bool) -> list:
         texts = self.processing_class.batch_decode(result.completion_ids, skip_special_tokens=True)
@@ -417,11 +438,14 @@ class GRPOTrainer(Trainer):
         """Reference sync (TR-DPO) every ref_model_sync_steps optimizer steps."""
         args = self.args
         if args.sync_ref_model and self.state.global_step % args.ref_model_sync_steps == 0:
-            mix_into_reference(
-                self.accelerator.unwrap_model(self.ref_model),
-                self.accelerator.unwrap_model(self.model),
-                args.ref_model_mixup_alpha,
-            )
+            ref = self.accelerator.unwrap_model(self.ref_model)
+            policy = self.accelerator.unwrap_model(self.model)
+            # FSDP2 leaves groups built with reshard_after_forward=False (accelerate's lm_head / norm
+            # group) whole after a no-grad forward; mix shard into shard.
+            for module in (*ref.modules(), *policy.modules()):
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+            mix_into_reference(ref, policy, args.ref_model_mixup_alpha)
 
     # ---- Metrics ------------------------------------------------------------------------------
 
@@ -495,26 +519,38 @@ class GRPOTrainer(Trainer):
     # ---- Checkpoints --------------------------------------------------------------------------
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+        """Save as the Trainer does, then the GRPO state (the completion marker), then rotate."""
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # no rotation before this checkpoint is complete
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
         if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
-            with open(os.path.join(folder, STATE_FILE), "w") as f:
-                json.dump({"beta": self.beta, "round_kl": self._round_kl}, f)
+            run_dir = self._get_output_dir(trial)
+            write_state(
+                os.path.join(run_dir, f"checkpoint-{self.state.global_step}"),
+                {"beta": self.beta, "round_kl": self._round_kl},
+            )
+            rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        """Train; when resuming, restore the adaptive beta and the position in the generation round."""
+        """Train; when resuming, restore the adaptive beta and the position in the generation round.
+
+        `resume_from_checkpoint=True` takes the newest complete checkpoint in output_dir.
+        """
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}.")
         if resume_from_checkpoint:
-            state_file = os.path.join(resume_from_checkpoint, STATE_FILE)
-            if os.path.isfile(state_file):
-                with open(state_file) as f:
-                    state = json.load(f)
-                self.beta, self._round_kl = state["beta"], state["round_kl"]
+            state = read_state(resume_from_checkpoint)
+            self.beta, self._round_kl = state["beta"], state["round_kl"]
             with open(os.path.join(resume_from_checkpoint, "trainer_state.json")) as f:
                 step = json.load(f)["global_step"]
             self._micro_step = step * self.args.gradient_accumulation_steps
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        with self.interrupt.catching_signals():
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
 
 # ---- Helpers ------------------------------------------------------------------------------------
@@ -570,6 +606,30 @@ def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out["attention_mask"] = attention[:, first : prompt_width + last]
     out["completion_mask"] = batch["completion_mask"][:, :last]
     return out
+
+
+@contextlib.contextmanager
+def unsharded_for_generation(model: nn.Module, accelerator) -> Iterator[None]:
+    """Under FSDP2, all-gather the parameters once and keep them whole while decoding.
+
+    Decoding calls the model once per token and each process stops when its own rows are done.
+    With FSDP2's per-forward all-gathers, processes stopping at different steps would issue
+    mismatched collectives (a crash or a hang); with whole parameters decoding needs none, and
+    saves an all-gather per token, at the cost of holding the whole model during generation.
+    Afterwards every group reshards after forward as configured, except the root (False, as FSDP
+    sets it): accelerate's lm_head / norm group, which it kept whole, is regathered in backward.
+    """
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)] if accelerator.is_fsdp2 else []
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        reshard = bool(accelerator.state.fsdp_plugin.reshard_after_forward) if modules else False
+        for module in modules:
+            module.reshard()
+            module.set_reshard_after_forward(reshard and module is not model, recurse=False)
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -38,15 +38,18 @@ def make_config(tmp_path, **overrides) -> GRPOConfig:
 class FixedCompletionsTrainer(GRPOTrainer):
     """Completions are a pure function of the prompt row, so runs with different batch shapes agree.
 
-    Row r of every group gets (r % G) + 2 tokens of a prompt-dependent pattern, then EOS.
+    Row r of every group gets (r % G) + 2 tokens of a prompt-dependent pattern, then EOS. r counts
+    rows of the whole generation batch, so a group split across processes gets the same completions
+    as on one process (process p holds the p-th contiguous slice of the batch).
     """
 
     def generate_completions(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rollout:
         width = self.args.max_completion_length
         eos = self.eos_token_ids[0]
+        offset = self.accelerator.process_index * len(prompt_ids)  # global index of local row 0
         rows = []
         for i, ids in enumerate(prompt_ids):
-            length = i % self.args.num_generations + 2
+            length = (offset + i) % self.args.num_generations + 2
             seed = int(ids[prompt_mask[i].bool()].sum())
             tokens = [(seed * (t + 3) + 7 * t) % 200 + 40 for t in range(length)] + [eos]
             rows.append((tokens + [self.processing_class.pad_token_id] * width)[:width])

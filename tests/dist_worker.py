@@ -1,0 +1,208 @@
+"""Short GRPO trainings for tests/test_distributed.py, on one process or under `accelerate launch`.
+
+    python tests/dist_worker.py OUTPUT_DIR SCENARIO [SCENARIO ...]
+    accelerate launch --config_file recipes/accelerate/cpu_ddp2.yaml tests/dist_worker.py OUTPUT_DIR ...
+
+A scenario fixes the *global* batch (completions per optimizer step over all processes); each
+process takes `global_batch / num_processes` of it. Completions come from `FixedCompletionsTrainer`
+(a function of the prompt and of the row's place in its group), so 1 and N processes train on the
+same completions; the "sampled" scenarios use the real decode loop instead. Several scenarios run
+in one launch, since the imports cost more than the training.
+
+For each scenario the main process writes to OUTPUT_DIR/SCENARIO/:
+- `initial.safetensors`, `final.safetensors`: every parameter before and after training (whole
+  tensors; under FSDP the state dict is gathered from every process);
+- `log_history.json`: `trainer.state.log_history`;
+- `first_round.pt`: the first generation round gathered from every process, in global row
+  order: advantages (N,), completion token lists, and the DAPO normaliser (active tokens);
+- `run_info.json`: the distributed type and process count the trainer saw, whether the policy and
+  reference parameters were sharded (DTensor);
+- `train/`: the trainer's output_dir (checkpoints of the scenarios that save).
+"""
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import DistributedType, gather_object
+from peft import LoraConfig
+from safetensors.torch import save_file
+from tiny_models import tiny_llama, tiny_tokenizer
+from torch.distributed.tensor import DTensor
+from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
+
+from grpo_hf import GRPOTrainer
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One short training run, described by its global batch so that any process count can run it."""
+
+    num_generations: int = 4
+    global_batch: int = 8  # completions per optimizer step over all processes
+    loss_type: str = "dapo"
+    lora: bool = False
+    num_iterations: int = 1
+    max_steps: int = 3
+    sync_ref_model: bool = False
+    # Plain SGD by default: an update is lr x gradient, so comparing updates compares gradients.
+    optim: str = "sgd"
+    learning_rate: float = 0.5
+    save_steps: int | None = None  # save a checkpoint every save_steps optimizer steps
+    completions: str = "fixed"  # "fixed", "sampled" (the real decode loop) or "uneven_stop"
+
+
+SCENARIOS = {
+    # 2 processes x 4 completions, G = 4: each process holds exactly one group.
+    "g4_dapo": Scenario(num_generations=4, loss_type="dapo"),
+    "g4_grpo": Scenario(num_generations=4, loss_type="grpo"),
+    # G = 8 straddles the 2 processes: group mean / std need the other process's rewards, and the
+    # processes hold different numbers of active tokens. mu = 2 adds old log-probs and ratios != 1.
+    "g8_dapo": Scenario(num_generations=8, loss_type="dapo", num_iterations=2, max_steps=4),
+    "g8_grpo": Scenario(num_generations=8, loss_type="grpo", num_iterations=2, max_steps=4),
+    "g8_dapo_adamw": Scenario(num_generations=8, optim="adamw_torch", learning_rate=1e-2),
+    "lora_g8_dapo": Scenario(num_generations=8, lora=True, num_iterations=2, max_steps=4),
+    "lora_g4_grpo": Scenario(num_generations=4, loss_type="grpo", lora=True),
+    # The reference moves towards the policy after every optimizer step (TR-DPO).
+    "sync_ref": Scenario(num_generations=8, sync_ref_model=True),
+    # Two optimizer steps and a checkpoint at step 2, which only the main process writes.
+    "save": Scenario(num_generations=8, max_steps=2, save_steps=2),
+    # The real decode loop; under uneven_stop the processes finish decoding at different steps.
+    "sampled": Scenario(num_generations=8, completions="sampled"),
+    "uneven_stop": Scenario(num_generations=8, completions="uneven_stop", max_steps=1),
+    "lora_uneven_stop": Scenario(num_generations=8, lora=True, completions="uneven_stop", max_steps=2),
+}
+
+
+class RecordingTrainer(FixedCompletionsTrainer):
+    """Keeps the first training round's advantages, completions and DAPO normaliser, in global order."""
+
+    first_round: dict | None = None
+
+    def _generate_and_score(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
+        parts = super()._generate_and_score(rows)
+        if self.first_round is None and self.model.training:
+            completions = [
+                ids[-mask.shape[0] :][mask.bool()].tolist()
+                for part in parts
+                for ids, mask in zip(part["input_ids"], part["completion_mask"], strict=True)
+            ]
+            local_advantages = torch.cat([part["advantages"] for part in parts])  # (n,)
+            self.first_round = {
+                "advantages": self.accelerator.gather(local_advantages).cpu(),  # (N,)
+                "completions": gather_object(completions),
+                "dapo_normalizer": float(parts[0]["dapo_normalizer"])
+                * self.accelerator.num_processes
+                * self.args.steps_per_generation,
+            }
+        return parts
+
+
+class SamplingTrainer(RecordingTrainer):
+    """The real decode loop instead of fixed completions."""
+
+    generate_completions = GRPOTrainer.generate_completions
+
+
+class UnevenStopTrainer(SamplingTrainer):
+    """Every token ends a completion on the main process only: it stops decoding after one token,
+    while the other processes decode up to max_completion_length."""
+
+    def generate_completions(self, prompt_ids, prompt_mask):
+        if self.accelerator.is_main_process:
+            self.eos_token_ids = list(range(self.model.config.vocab_size))
+        return super().generate_completions(prompt_ids, prompt_mask)
+
+
+TRAINERS = {"fixed": RecordingTrainer, "sampled": SamplingTrainer, "uneven_stop": UnevenStopTrainer}
+
+
+def force_fsdp_on_cpu() -> None:
+    """Make an FSDP launch really shard on a CPU-only machine.
+
+    Accelerate enables FSDP only on top of a GPU-style multi-process state; on CPUs the state is
+    MULTI_CPU and the FSDP plugin is silently dropped (the run is plain DDP). Relabelling the state
+    before the Trainer builds its Accelerator runs the FSDP2 code path (`fully_shard` over gloo on
+    the CPU) as it would run on GPUs.
+    """
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    if PartialState().distributed_type == DistributedType.MULTI_CPU:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+
+
+def is_sharded(model: torch.nn.Module | None) -> bool:
+    return model is not None and any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
+    folder = os.path.join(output, name)
+    args = make_config(
+        os.path.join(folder, "train"),
+        per_device_train_batch_size=scenario.global_batch // world_size,
+        num_generations=scenario.num_generations,
+        loss_type=scenario.loss_type,
+        num_iterations=scenario.num_iterations,
+        max_steps=scenario.max_steps,
+        optim=scenario.optim,
+        learning_rate=scenario.learning_rate,
+        max_grad_norm=0.0,
+        sync_ref_model=scenario.sync_ref_model,
+        ref_model_sync_steps=1,
+        save_strategy="steps" if scenario.save_steps else "no",
+        save_steps=scenario.save_steps or 500,
+        ddp_find_unused_parameters=False,
+    )
+    force_fsdp_on_cpu()
+    peft_config = (
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if scenario.lora else None
+    )
+    trainer = TRAINERS[scenario.completions](
+        model=tiny_llama(),
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=chat_dataset(8),
+        processing_class=tiny_tokenizer(),
+        peft_config=peft_config,
+    )
+    initial = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    # get_state_dict gathers whole tensors under FSDP: a collective, every process calls it.
+    final = trainer.accelerator.get_state_dict(trainer.model)
+    info = {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "num_processes": trainer.accelerator.num_processes,
+        "policy_sharded": is_sharded(trainer.model),
+        "reference_sharded": is_sharded(trainer.ref_model),
+    }
+    if trainer.accelerator.is_main_process:
+        os.makedirs(folder, exist_ok=True)
+        save_file(initial, os.path.join(folder, "initial.safetensors"))
+        save_file(
+            {n: final[n].detach().cpu().clone().contiguous() for n in initial},
+            os.path.join(folder, "final.safetensors"),
+        )
+        with open(os.path.join(folder, "log_history.json"), "w") as f:
+            json.dump(trainer.state.log_history, f, indent=1)
+        with open(os.path.join(folder, "run_info.json"), "w") as f:
+            json.dump(info, f, indent=1)
+        torch.save(trainer.first_round, os.path.join(folder, "first_round.pt"))
+    trainer.accelerator.wait_for_everyone()
+
+
+def main(argv: list[str]) -> None:
+    output, names = argv[0], argv[1:]
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    for name in names:
+        start = time.perf_counter()
+        run(name, SCENARIOS[name], output, world_size)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[dist_worker] {name}: {time.perf_counter() - start:.1f} s on {world_size} process(es)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

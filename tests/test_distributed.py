@@ -1,0 +1,234 @@
+"""Same result on 1 or 2 processes: DDP and FSDP2 over gloo on the CPU, against a single process.
+
+Each backend is one launch of tests/dist_worker.py running every scenario (imports cost more than
+the training): a plain single process with the whole global batch, then `accelerate launch` with
+recipes/accelerate/cpu_ddp2.yaml and cpu_fsdp2.yaml, 2 processes with half of it each. Fixed
+completions make both sides train on the same tokens, so advantages, losses, parameter updates and
+the logged global metrics must agree within float tolerance.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils import DistributedType
+from dist_worker import SCENARIOS
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dist_worker.py"
+CONFIGS = ROOT / "recipes" / "accelerate"
+LAUNCH_TIMEOUT = 300  # seconds; one launch takes ~20 s on 2 CPU cores
+BACKENDS = {"ddp": "cpu_ddp2.yaml", "fsdp2": "cpu_fsdp2.yaml"}
+COMPARED = [
+    "g4_dapo",
+    "g4_grpo",
+    "g8_dapo",
+    "g8_grpo",
+    "g8_dapo_adamw",
+    "lora_g8_dapo",
+    "lora_g4_grpo",
+    "sync_ref",
+    "save",
+]
+SAMPLED = [
+    "sampled",
+    "uneven_stop",
+    "lora_uneven_stop",
+]  # real sampling: compared between the 2-process backends only
+# Metrics computed from tensors gathered over all processes: equal to the single-process values.
+GLOBAL_METRICS = [
+    "loss", "grad_norm", "learning_rate", "epoch", "reward", "reward/length_reward", "reward_std",
+    "frac_reward_zero_std", "advantage/abs_mean", "advantage/min", "advantage/max",
+    "completions/mean_length", "completions/min_length", "completions/max_length",
+    "completions/clipped_ratio", "reward_errors", "beta",
+]  # fmt: skip
+# Token means of each micro-batch, averaged over micro-batches and processes: global only when
+# every process holds the same number of active tokens (one whole group each, G = 4 here).
+TOKEN_MEAN_METRICS = ["kl", "entropy", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(output: Path, scenarios: list[str], config: str | None) -> None:
+    """Run the worker on one process (config None) or under `accelerate launch --config_file config`."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, str(WORKER), str(output), *scenarios]
+    if config is not None:
+        command[1:1] = [
+            "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+            "--main_process_port", str(free_port()), "--num_cpu_threads_per_process", "1",
+        ]  # fmt: skip
+    try:
+        result = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
+        )
+    except subprocess.TimeoutExpired as err:
+        stderr = err.stderr.decode() if isinstance(err.stderr, bytes) else err.stderr or ""
+        pytest.fail(
+            f"timed out after {LAUNCH_TIMEOUT} s: {' '.join(command)}\n--- stderr ---\n{stderr[-8000:]}"
+        )
+    if result.returncode != 0:
+        pytest.fail(f"exit {result.returncode}: {' '.join(command)}\n--- stderr ---\n{result.stderr[-8000:]}")
+    (output / "stderr.txt").write_text(result.stderr)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("single")
+    launch(output, COMPARED, config=None)
+    return output
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("ddp")
+    launch(output, COMPARED + SAMPLED, BACKENDS["ddp"])
+    return output
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("fsdp2")
+    launch(output, COMPARED + SAMPLED, BACKENDS["fsdp2"])
+    return output
+
+
+def load_run(folder: Path) -> dict:
+    return {
+        "initial": load_file(folder / "initial.safetensors"),
+        "final": load_file(folder / "final.safetensors"),
+        "log": json.loads((folder / "log_history.json").read_text()),
+        "info": json.loads((folder / "run_info.json").read_text()),
+        "first_round": torch.load(folder / "first_round.pt"),
+    }
+
+
+def assert_same_updates(one: dict, two: dict, rtol: float) -> None:
+    """Same start, and the same update (final - initial) for every tensor, relative to its size."""
+    assert one["final"].keys() == two["final"].keys()
+    moved = 0
+    for name in one["final"]:
+        assert torch.equal(one["initial"][name], two["initial"][name]), f"{name}: different start"
+        update_one = one["final"][name] - one["initial"][name]
+        update_two = two["final"][name] - two["initial"][name]
+        scale = update_one.abs().max().item()
+        moved += scale > 0
+        torch.testing.assert_close(update_two, update_one, rtol=rtol, atol=rtol * scale + 1e-9, msg=name)
+    assert moved > 0, "no parameter moved: the comparison would be vacuous"
+
+
+def assert_same_logs(one: list[dict], two: list[dict], keys: list[str]) -> None:
+    assert len(one) == len(two)
+    for step, (a, b) in enumerate(zip(one, two, strict=True)):
+        for key in keys:
+            assert (key in a) == (key in b), f"step {step}: {key} logged on one side only"
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), f"step {step}: {key}"
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("scenario", COMPARED)
+def test_two_processes_match_one(request, single, backend, scenario):
+    one = load_run(single / scenario)
+    two = load_run(request.getfixturevalue(backend) / scenario)
+    assert two["info"]["num_processes"] == 2
+    # Same completions in the same global order: process r held the r-th slice of each batch.
+    assert two["first_round"]["completions"] == one["first_round"]["completions"]
+    torch.testing.assert_close(two["first_round"]["advantages"], one["first_round"]["advantages"])
+    assert two["first_round"]["dapo_normalizer"] == pytest.approx(one["first_round"]["dapo_normalizer"])
+    # SGD: updates are lr x gradient, so 1e-4 checks gradients; Adam divides float noise in tiny
+    # gradients by their own tiny size, so its updates get a looser bound.
+    assert_same_updates(one, two, rtol=1e-3 if SCENARIOS[scenario].optim.startswith("adam") else 1e-4)
+    same_tokens_per_process = SCENARIOS[scenario].num_generations == 4
+    assert_same_logs(one["log"], two["log"], GLOBAL_METRICS + TOKEN_MEAN_METRICS * same_tokens_per_process)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_logged_metrics_are_global_means(request, backend):
+    """The logged lengths are over both processes' completions, not the main process's own."""
+    two = load_run(request.getfixturevalue(backend) / "g8_dapo")  # a group straddles the processes
+    lengths = [len(c) for c in two["first_round"]["completions"]]  # global order, both processes
+    half = len(lengths) // 2
+    first = two["log"][0]
+    assert first["completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths))
+    assert first["completions/mean_length"] != pytest.approx(sum(lengths[:half]) / half)
+    assert first["completions/max_length"] == max(lengths)
+
+
+def test_fsdp2_really_shards(fsdp2, ddp):
+    """On CPUs accelerate silently turns an FSDP launch into DDP; dist_worker forces real FSDP2."""
+    full = json.loads((fsdp2 / "g8_dapo" / "run_info.json").read_text())
+    assert full == {
+        "distributed_type": str(DistributedType.FSDP),
+        "num_processes": 2,
+        "policy_sharded": True,
+        "reference_sharded": True,  # the frozen copy is sharded like the policy
+    }
+    lora = json.loads((fsdp2 / "lora_g8_dapo" / "run_info.json").read_text())
+    assert lora["policy_sharded"] and lora["distributed_type"] == str(DistributedType.FSDP)
+    plain = json.loads((ddp / "g8_dapo" / "run_info.json").read_text())
+    assert plain["distributed_type"] == str(DistributedType.MULTI_CPU) and not plain["policy_sharded"]
+
+
+@pytest.mark.parametrize("scenario", SAMPLED)
+def test_real_sampling_fsdp2_matches_ddp(ddp, fsdp2, scenario):
+    """The real decode loop, with processes stopping at different steps under uneven_stop: FSDP2
+    must neither deadlock nor mismatch collectives, and trains exactly as DDP does."""
+    plain, sharded = load_run(ddp / scenario), load_run(fsdp2 / scenario)
+    lengths = [len(c) for c in sharded["first_round"]["completions"]]
+    if scenario.endswith("uneven_stop"):
+        assert lengths[:4] == [1, 1, 1, 1] and max(lengths[4:]) > 1  # main process stopped first
+    assert sharded["first_round"]["completions"] == plain["first_round"]["completions"]
+    assert_same_updates(plain, sharded, rtol=1e-4)
+    assert_same_logs(plain["log"], sharded["log"], GLOBAL_METRICS + TOKEN_MEAN_METRICS)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_checkpoint_written_once_by_main_process(request, backend):
+    folder = request.getfixturevalue(backend) / "save"
+    stderr = (folder.parent / "stderr.txt").read_text()
+    assert "Traceback" not in stderr and "FileExistsError" not in stderr
+    checkpoints = sorted(p.name for p in (folder / "train").iterdir())
+    assert checkpoints == ["checkpoint-2"]
+    checkpoint = folder / "train" / "checkpoint-2"
+    files = sorted(p.name for p in checkpoint.iterdir())
+    assert {"model.safetensors", "trainer_state.json", "grpo_state.json", "scheduler.pt"} <= set(files)
+    # One RNG state per process is the Trainer's design; everything else is written once.
+    assert [f for f in files if f.startswith("rng_state")] == ["rng_state_0.pth", "rng_state_1.pth"]
+    assert json.loads((checkpoint / "grpo_state.json").read_text())["beta"] == pytest.approx(0.04)
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
+    saved = load_file(checkpoint / "model.safetensors")  # the whole model, gathered under FSDP
+    final = load_file(folder / "final.safetensors")
+    assert saved.keys() == final.keys()
+    for name, value in final.items():
+        torch.testing.assert_close(saved[name], value, msg=name)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_accelerate_config_loads(path):
+    """Every accelerate config parses and passes `accelerate launch`'s own checks."""
+    config = load_config_from_file(str(path))
+    assert config.num_processes >= 1 and config.num_machines >= 1
+    args, _, _ = _validate_launch_command(
+        launch_command_parser().parse_args(["--config_file", str(path), "x.py"])
+    )
+    if config.distributed_type == DistributedType.FSDP:
+        assert args.use_fsdp and int(config.fsdp_config["fsdp_version"]) == 2
+    if config.distributed_type == DistributedType.DEEPSPEED:
+        assert args.use_deepspeed and config.deepspeed_config["zero_stage"] in (2, 3)
+    if config.distributed_type == DistributedType.MULTI_GPU:
+        assert args.multi_gpu  # the torchrun launcher; MULTI_CPU would need mpirun
