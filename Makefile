@@ -26,6 +26,11 @@ test: install
 	$(BIN)/ruff check grpo_hf recipes tests bench
 	$(BIN)/pytest -q tests
 
+# Our GRPO step against TRL's on this machine (bench/run.py); results in bench/results/latest.json.
+bench: install
+	$(BIN)/pip install --quiet -e ".[bench]"
+	$(BIN)/python bench/run.py
+
 lint: install
 	$(BIN)/ruff check grpo_hf recipes tests bench
 	$(BIN)/ruff format --check grpo_hf recipes tests bench

@@ -1,0 +1,288 @@
+"""Our GRPO step against TRL's on the same machine and workload: per-step time, peak RSS, tokens/s.
+
+    python bench/run.py                                   # ours (bf16) vs TRL (fp32 and bf16), 6 steps
+    python bench/run.py --sides ours --steps 2 --max-completion-length 8    # a quick check, no TRL
+
+Each side and precision trains in its own subprocess (`bench/worker.py`), one after the other, so
+timings do not overlap and every peak RSS belongs to one side. The workload is described in the
+worker's docstring. The step time of a side is the median over its steps after the first; each
+side is scored at its fastest precision, and the ratio is TRL's median over ours (the goal is >= 3).
+Everything, with machine information and the commands to rerun, goes to bench/results/latest.json.
+
+TRL is needed only for `--sides trl`: `pip install -e ".[bench]"` (or `make bench`).
+"""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import resource
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "bench" / "worker.py"
+GOAL_RATIO = 3.0
+BUSY_SHARE = 0.1  # CPU share of other processes during a run above which its timings are suspect
+PRECISIONS = ("fp32", "bf16")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line settings; the workload defaults are the issue's (G=8, 2 prompts, 48 tokens)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sides", default="ours,trl", help="Comma-separated: ours, trl.")
+    parser.add_argument("--ours-precisions", default="bf16", help="Comma-separated: fp32, bf16.")
+    parser.add_argument("--trl-precisions", default="fp32,bf16", help="Comma-separated: fp32, bf16.")
+    parser.add_argument(
+        "--steps", type=int, default=6, help="Optimizer steps per side; the first is not timed."
+    )
+    parser.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (G).")
+    parser.add_argument("--prompts-per-step", type=int, default=2, help="Prompts per optimizer step.")
+    parser.add_argument("--max-completion-length", type=int, default=48)
+    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads per worker; default torch's."
+    )
+    parser.add_argument("--timeout", type=float, default=3600, help="Seconds before a worker is stopped.")
+    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "latest.json"))
+    args = parser.parse_args(argv)
+    args.sides = _choices(parser, "--sides", args.sides, ("ours", "trl"))
+    args.ours_precisions = _choices(parser, "--ours-precisions", args.ours_precisions, PRECISIONS)
+    args.trl_precisions = _choices(parser, "--trl-precisions", args.trl_precisions, PRECISIONS)
+    if args.steps < 2:
+        parser.error("--steps must be >= 2: the first step is a warm-up and is not timed.")
+    return args
+
+
+def _choices(parser: argparse.ArgumentParser, flag: str, value: str, allowed: tuple[str, ...]) -> list[str]:
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    if not items or any(item not in allowed for item in items):
+        parser.error(f"{flag}={value!r}: give a comma-separated list from {', '.join(allowed)}.")
+    return list(dict.fromkeys(items))
+
+
+def runs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(side, precision) pairs in the order they run."""
+    precisions = {"ours": args.ours_precisions, "trl": args.trl_precisions}
+    return [(side, precision) for side in args.sides for precision in precisions[side]]
+
+
+def worker_command(args: argparse.Namespace, side: str, precision: str, output: Path) -> list[str]:
+    """The command line of one side's worker."""
+    command = [
+        sys.executable, str(WORKER), "--side", side, "--precision", precision,
+        "--steps", str(args.steps), "--num-generations", str(args.num_generations),
+        "--prompts-per-step", str(args.prompts_per_step),
+        "--max-completion-length", str(args.max_completion_length),
+        "--learning-rate", str(args.learning_rate), "--beta", str(args.beta), "--seed", str(args.seed),
+        "--output", str(output),
+    ]  # fmt: skip
+    return command + (["--threads", str(args.threads)] if args.threads is not None else [])
+
+
+def run_worker(command: list[str], log_path: Path, result_path: Path, timeout: float) -> dict:
+    """Run one worker, its output going to `log_path`; its report, or an error entry."""
+    result_path.unlink(missing_ok=True)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+    machine_before, own_before = machine_busy_seconds(), children_cpu_seconds()
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            process = subprocess.run(
+                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+            )
+            failure = f"exit code {process.returncode}" if process.returncode else None
+        except subprocess.TimeoutExpired:
+            failure = f"timed out after {timeout:.0f} s"
+    wall = time.perf_counter() - start
+    other = None
+    if machine_before is not None:
+        foreign = machine_busy_seconds() - machine_before - (children_cpu_seconds() - own_before)
+        other = max(foreign, 0.0) / (wall * (os.cpu_count() or 1))
+    context = {"wall_seconds": wall, "other_processes_cpu_share": other, "log": str(log_path)}
+    if failure is None and result_path.is_file():
+        return {**json.loads(result_path.read_text()), **context}
+    tail = log_path.read_text().strip().splitlines()[-15:]
+    return {"error": failure or "no report written", "log": str(log_path), "log_tail": tail}
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU seconds all processes have used since boot (Linux /proc/stat), or None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # user..steal; guest is inside user
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process's finished children (the workers)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def rerun_command() -> str:
+    """This run's command line, from the repository root."""
+    script = os.path.relpath(Path(sys.argv[0]).resolve(), ROOT)
+    return f"cd {shlex.quote(str(ROOT))} && " + shlex.join([sys.executable, script, *sys.argv[1:]])
+
+
+def machine_info() -> dict:
+    """CPU, cores, load and library versions (TRL's from its metadata: this process never imports it)."""
+    cpu_model = "unknown"
+    if os.path.isfile("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    versions = {}
+    for package in ("torch", "transformers", "trl", "peft", "accelerate"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "load_average_at_start": os.getloadavg(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": versions,
+    }
+
+
+def best(results: dict[str, dict], side: str) -> str | None:
+    """The key of a side's fastest successful run."""
+    keys = [key for key, r in results.items() if r.get("side") == side and "error" not in r]
+    return min(keys, key=lambda key: results[key]["median_step_seconds"], default=None)
+
+
+def summarize(results: dict[str, dict]) -> dict:
+    """Each side at its fastest precision, and TRL's median step time over ours."""
+    ours, trl = best(results, "ours"), best(results, "trl")
+    ratio = per_token_ratio = None
+    if ours and trl:
+        ratio = results[trl]["median_step_seconds"] / results[ours]["median_step_seconds"]
+        per_token_ratio = (
+            results[trl]["seconds_per_1k_completion_tokens"]
+            / results[ours]["seconds_per_1k_completion_tokens"]
+        )
+    return {
+        "ours": ours,
+        "trl": trl,
+        "ratio_trl_over_ours": ratio,
+        "ratio_per_completion_token": per_token_ratio,
+        "goal_ratio": GOAL_RATIO,
+        "meets_goal": None if ratio is None else ratio >= GOAL_RATIO,
+    }
+
+
+def print_report(report: dict) -> None:
+    """A table of every run, the ratio, and the commands to rerun."""
+    machine = report["machine"]
+    print(
+        f"\nMachine: {machine['cpu_model']}, {machine['usable_cores']} cores, load {machine['load_average_at_start']}"
+    )
+    print(f"Versions: {machine['versions']}")
+    header = f"{'run':<10} {'median s/step':>13} {'peak RSS MB':>11} {'gen tok/s':>9} {'mean len':>8} threads {'other CPU':>9}"
+    print(header)
+    for key, r in report["runs"].items():
+        if "error" in r:
+            print(f"{key:<10} FAILED ({r['error']}); log: {r['log']}")
+            continue
+        print(
+            f"{key:<10} {r['median_step_seconds']:>13.2f} {r['peak_rss_mb']:>11.0f} "
+            f"{r['median_tokens_per_second']:>9.1f} {r['mean_completion_length']:>8.1f} {r['torch_threads']:>7} "
+            f"{_percent(r['other_processes_cpu_share']):>9}"
+        )
+    for key, r in report["runs"].items():
+        if "error" not in r:
+            print(f"  {key} tokens/s: {r['tokens_per_second_method']}")
+    busy = [
+        key for key, r in report["runs"].items() if (r.get("other_processes_cpu_share") or 0) > BUSY_SHARE
+    ]
+    if busy:
+        shares = ", ".join(f"{key} {report['runs'][key]['other_processes_cpu_share']:.0%}" for key in busy)
+        print(
+            f"  WARNING: other processes used this share of the CPU during a run: {shares}. They slow that "
+            "side down, so the timings are not comparable; rerun on an idle machine."
+        )
+    summary = report["summary"]
+    if summary["ratio_trl_over_ours"] is not None:
+        print(
+            f"Ratio (TRL {summary['trl']} median / ours {summary['ours']} median): "
+            f"{summary['ratio_trl_over_ours']:.2f}x (goal >= {GOAL_RATIO:.0f}x: "
+            f"{'met' if summary['meets_goal'] else 'not met'}); per completion token (the sides sample "
+            f"different lengths): {summary['ratio_per_completion_token']:.2f}x"
+        )
+    print("Rerun everything:  " + report["commands"]["run"])
+    for key, command in report["commands"]["workers"].items():
+        print(f"Rerun {key}:  {command}")
+
+
+def _percent(share: float | None) -> str:
+    return "n/a" if share is None else f"{share:.0%}"
+
+
+def main() -> None:
+    args = parse_args()
+    output = Path(args.output).resolve()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    machine = machine_info()
+    if "trl" in args.sides and machine["versions"]["trl"] is None:
+        sys.exit('TRL is not installed: pip install -e ".[bench]" (or `make bench`), or pass --sides ours.')
+    results, commands = {}, {}
+    for side, precision in runs(args):
+        key = f"{side}_{precision}"
+        result_path = output.parent / f"{output.stem}.{key}.json"
+        command = worker_command(args, side, precision, result_path)
+        commands[key] = shlex.join(command)
+        print(f"[bench] {key}: running {args.steps} steps ...", flush=True)
+        results[key] = run_worker(
+            command, output.parent / f"{output.stem}.{key}.log", result_path, args.timeout
+        )
+        if "error" in results[key]:
+            print(
+                f"[bench] {key} failed: {results[key]['error']}\n  " + "\n  ".join(results[key]["log_tail"])
+            )
+    report = {
+        "machine": machine,
+        "load_average_at_end": os.getloadavg(),
+        "workload": {
+            "model": "smollm2-135m-instruct (grpo_hf embedded default), LoRA r=16 alpha=32 on q/k/v/o",
+            "task": "arithmetic a + b, a and b in 0..50; reward accuracy_reward",
+            "num_generations": args.num_generations,
+            "prompts_per_step": args.prompts_per_step,
+            "completions_per_step": args.num_generations * args.prompts_per_step,
+            "max_completion_length": args.max_completion_length,
+            "temperature": 1.0,
+            "beta": args.beta,
+            "num_iterations": 1,
+            "learning_rate": args.learning_rate,
+            "seed": args.seed,
+            "steps": args.steps,
+            "timed_steps": args.steps - 1,
+            "threads": args.threads,
+        },
+        "runs": results,
+        "summary": summarize(results),
+        "commands": {"run": rerun_command(), "make": "make bench", "workers": commands},
+    }
+    output.write_text(json.dumps(report, indent=1))
+    print_report(report)
+    print(f"Results: {output}")
+    if any("error" in r for r in results.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Smoke test of the benchmark script: bench/run.py, our side only (no TRL needed), tiny settings."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_bench_runs_our_side_and_writes_every_field(tmp_path):
+    output = tmp_path / "latest.json"
+    command = [
+        sys.executable, str(ROOT / "bench" / "run.py"), "--sides", "ours", "--steps", "2",
+        "--num-generations", "2", "--prompts-per-step", "1", "--max-completion-length", "4",
+        "--output", str(output),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(output.read_text())
+
+    for key in ("cpu_model", "cpu_count", "usable_cores", "versions"):
+        assert key in report["machine"]
+    assert {"torch", "transformers", "trl"} <= set(report["machine"]["versions"])
+    assert set(report["runs"]) == {"ours_bf16"}
+    run = report["runs"]["ours_bf16"]
+    assert len(run["step_seconds"]) == 2
+    assert run["median_step_seconds"] == run["step_seconds"][1]  # the first step is not timed
+    assert run["peak_rss_mb"] > 100  # a 135M-parameter model is loaded
+    assert len(run["tokens_per_second"]) == 2 and run["median_tokens_per_second"] > 0
+    assert 1 <= run["mean_completion_length"] <= 4
+    assert run["torch_threads"] >= 1
+    assert run["seconds_per_1k_completion_tokens"] > 0
+    assert "other_processes_cpu_share" in run
+    assert report["summary"]["ours"] == "ours_bf16"
+    assert report["summary"]["ratio_trl_over_ours"] is None  # no TRL side was run
+    assert "bench/run.py" in report["commands"]["run"]
+    assert "Rerun everything" in done.stdout
