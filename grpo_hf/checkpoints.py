@@ -4,6 +4,7 @@ The Trainer writes a checkpoint folder file by file. GRPO's own state (adaptive 
 round so far) is written last, atomically, and doubles as the "complete" marker: resuming with
 `resume_from_checkpoint=True` takes the newest folder that has it, so a crash while saving leaves
 the previous checkpoint in charge. Old checkpoints are rotated only after the new one is complete.
+`NonFiniteGuard` skips optimizer steps with non-finite gradients, so no NaN reaches the weights.
 """
 
 import contextlib
@@ -12,8 +13,9 @@ import os
 import re
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import torch
 from transformers import TrainerCallback
 
 STATE_FILE = "grpo_state.json"
@@ -90,3 +92,31 @@ class SaveOnInterrupt(TrainerCallback):
         if self.received is not None:
             control.should_save = True
             control.should_training_stop = True
+
+
+class NonFiniteGuard(TrainerCallback):
+    """Skips an optimizer step whose gradients are not finite; stops after too many in a row.
+
+    A skipped step leaves weights and optimizer state untouched, so no NaN ever reaches a checkpoint.
+    `record` receives a metric per skipped step ("nonfinite_steps_skipped").
+    """
+
+    def __init__(self, record: Callable[[dict[str, float]], None]) -> None:
+        self.record = record
+        self.in_a_row = 0
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        params = [p for p in model.parameters() if p.grad is not None]
+        if all(torch.isfinite(p.grad).all() for p in params):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.record({"nonfinite_steps_skipped": 1.0})
+        for p in params:
+            p.grad = None  # optimizers skip parameters without a gradient: the step is a no-op
+        if self.in_a_row >= args.max_nonfinite_steps:
+            raise RuntimeError(
+                f"{self.in_a_row} optimizer steps in a row had non-finite gradients (skipped, no NaN was "
+                "written). Lower learning_rate, set max_grad_norm, or check the reward functions; "
+                "max_nonfinite_steps sets the limit."
+            )

@@ -13,7 +13,10 @@ from grpo_hf.scoring import RewardFunc
 
 @dataclass
 class EvalResult:
-    """Mean reward of greedy completions, and the first few (prompt, completion, reward) rows."""
+    """Mean reward of greedy completions, and the first few (question, completion, reward) rows.
+
+    The question is the prompt's text (for chat prompts, its last message).
+    """
 
     accuracy: float
     samples: list[tuple[str, str, float]]
@@ -32,9 +35,11 @@ def greedy_accuracy(
 ) -> EvalResult:
     """Greedy-decode every prompt of `dataset` and average `reward_func` over the completions."""
     device = next(model.parameters()).device
-    eos_ids = sorted({tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id)} - {None})
     config = GenerationConfig(
-        do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=rollout.eos_token_ids(model, tokenizer),
     )
     scores, samples = [], []
     for start in range(0, len(dataset), batch_size):
@@ -42,18 +47,14 @@ def greedy_accuracy(
         texts = [rollout.render_prompt(tokenizer, p) for p in rows["prompt"]]
         ids, mask = rollout.tokenize_prompts(tokenizer, texts, None, device)
         result = rollout.generate(model, ids, mask, config)
-        completions = tokenizer.batch_decode(result.completion_ids, skip_special_tokens=True)
-        if not isinstance(rows["prompt"][0], str):
-            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        completions = rollout.decode_completions(
+            tokenizer, result, chat=not isinstance(rows["prompt"][0], str)
+        )
         columns = {k: v for k, v in rows.items() if k != "prompt"}
         rewards = reward_func(prompts=rows["prompt"], completions=completions, completion_ids=None, **columns)
-        scores.extend(0.0 if r is None else float(r) for r in rewards)
-        for prompt, completion, reward in zip(texts, completions, rewards, strict=True):
+        batch_scores = [0.0 if r is None else float(r) for r in rewards]  # None: does not apply, scores 0
+        scores.extend(batch_scores)
+        for prompt, completion, score in zip(rows["prompt"], completions, batch_scores, strict=True):
             if len(samples) < num_samples:
-                text = completion if isinstance(completion, str) else completion[0]["content"]
-                samples.append((prompt, text, reward))
+                samples.append((rollout.message_text(prompt), rollout.message_text(completion), score))
     return EvalResult(sum(scores) / max(len(scores), 1), samples)
-
-
-def _as_list(value: int | list[int] | None) -> list[int | None]:
-    return value if isinstance(value, list) else [value]

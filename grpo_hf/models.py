@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 from gguf import GGUFReader
+from peft import PeftConfig, get_peft_model
+from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -168,3 +170,28 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     """Save the GGUF's model (safetensors) and tokenizer (with its chat template) into `out`."""
     _load_gguf_model(gguf).save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability to 0: old, current and reference log-probs must agree."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def wrap_with_peft(
+    model: PreTrainedModel, peft_config: PeftConfig, gradient_checkpointing: bool
+) -> nn.Module:
+    """LoRA (or another PEFT method) around the model, with a clear error for unknown target modules."""
+    if gradient_checkpointing:
+        model.enable_input_require_grads()
+    try:
+        return get_peft_model(model, peft_config)
+    except ValueError as err:
+        if "not found" not in str(err) and "Target modules" not in str(err):
+            raise
+        names = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name})
+        raise ValueError(
+            f"peft_config.target_modules={peft_config.target_modules} matches no module of this model; "
+            f"module names include {names[:40]}."
+        ) from err

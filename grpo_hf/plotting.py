@@ -5,7 +5,11 @@ import matplotlib
 matplotlib.use("Agg")  # headless: no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 
-PANELS = (("reward", "reward (sampled)"), ("kl", "KL to reference"), ("completions/mean_length", "completion length"))
+PANELS = (
+    ("reward", "reward (sampled)"),
+    ("kl", "KL to reference"),
+    ("completions/mean_length", "completion length"),
+)
 
 
 def plot_training(log_history: list[dict], path: str) -> str:

@@ -51,6 +51,11 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict]) 
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
+def message_text(value: str | list[dict]) -> str:
+    """The text of a prompt or completion: a str as is, a chat's last message's content."""
+    return value if isinstance(value, str) else value[-1]["content"]
+
+
 def tokenize_prompts(
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[str],
@@ -81,6 +86,24 @@ def tokenize_prompts(
             ids[row, width - len(tokens) :] = torch.tensor(tokens)
             mask[row, width - len(tokens) :] = 1
     return ids.to(device), mask.to(device)
+
+
+def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
+    if not ids:
+        raise ValueError(
+            "Neither the tokenizer nor the model's generation_config has an eos token; set tokenizer.eos_token."
+        )
+    return sorted(ids)
+
+
+def decode_completions(tokenizer: PreTrainedTokenizerBase, result: Rollout, chat: bool) -> list:
+    """Completion texts; for chat prompts, each as a one-message assistant turn."""
+    texts = tokenizer.batch_decode(result.completion_ids, skip_special_tokens=True)
+    return [[{"role": "assistant", "content": text}] for text in texts] if chat else texts
 
 
 def completion_mask_after_eos(

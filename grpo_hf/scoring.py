@@ -14,7 +14,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 RewardFunc = Callable[..., list[float | None]]
 
@@ -26,6 +31,22 @@ class RewardModel:
     model: nn.Module
     tokenizer: PreTrainedTokenizerBase
     name: str
+
+
+def load_reward_model(model: str | PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> RewardModel:
+    """A sequence-classification reward model (one label) with its tokenizer."""
+    if isinstance(model, str):
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
+        model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1)
+    elif tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.eval().requires_grad_(False)
+    return RewardModel(
+        model, tokenizer, name=model.name_or_path.rstrip("/").rsplit("/", 1)[-1] or type(model).__name__
+    )
 
 
 def reward_name(func: RewardFunc | RewardModel) -> str:

@@ -11,25 +11,18 @@ How one generation round flows through the Trainer's loop:
 The maths lives in `advantages`, `loss` and `logprobs`; this file only orchestrates.
 """
 
-import contextlib
 import json
 import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 
 import torch
 from accelerate.utils import gather_object
-from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from datasets import Dataset
-from peft import PeftConfig, get_peft_model
-from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from peft import PeftConfig
 from torch.utils.data import Sampler
 from transformers import (
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Trainer,
@@ -39,80 +32,34 @@ from transformers.trainer_utils import rotate_checkpoints
 
 from grpo_hf import rollout
 from grpo_hf.advantages import combine_rewards, group_advantages, group_std_is_zero
-from grpo_hf.checkpoints import SaveOnInterrupt, last_complete_checkpoint, read_state, write_state
+from grpo_hf.checkpoints import (
+    NonFiniteGuard,
+    SaveOnInterrupt,
+    last_complete_checkpoint,
+    read_state,
+    write_state,
+)
 from grpo_hf.config import GRPOConfig
+from grpo_hf.data import GroupSampler, check_prompt_dataset, split_batch, trim_padding
 from grpo_hf.generation_copy import GenerationCopy
 from grpo_hf.logprobs import completion_logps
 from grpo_hf.loss import adaptive_beta, grpo_loss
-from grpo_hf.models import load_model, load_tokenizer
+from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
 from grpo_hf.reference import build_reference, mix_into_reference, reference_context
-from grpo_hf.scoring import RewardFunc, RewardModel, reward_name, score_completions
+from grpo_hf.scoring import RewardFunc, RewardModel, load_reward_model, reward_name, score_completions
+from grpo_hf.sharding import prepare_reference, reshard, unsharded_for_generation
 
 logger = logging.getLogger(__name__)
 
 
-class GroupSampler(Sampler[int]):
-    """Shuffled prompt indices, each repeated G times, each generation batch repeated `repeats` times.
-
-    Every process builds the same sequence from the same seed; Accelerate hands each process its
-    own contiguous slice of every generation batch.
-    """
-
-    def __init__(
-        self, num_prompts: int, num_generations: int, prompts_per_batch: int, repeats: int, seed: int
-    ):
-        self.num_prompts, self.num_generations = num_prompts, num_generations
-        self.prompts_per_batch, self.repeats, self.seed = prompts_per_batch, repeats, seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.num_prompts, generator=generator).tolist()
-        usable = len(order) - len(order) % self.prompts_per_batch
-        for start in range(0, usable, self.prompts_per_batch):
-            batch = [
-                i for i in order[start : start + self.prompts_per_batch] for _ in range(self.num_generations)
-            ]
-            for _ in range(self.repeats):
-                yield from batch
-
-    def __len__(self) -> int:
-        return (
-            (self.num_prompts // self.prompts_per_batch)
-            * self.prompts_per_batch
-            * self.num_generations
-            * self.repeats
-        )
-
-
-class _NonFiniteGuard(TrainerCallback):
-    """Skips an optimizer step whose gradients are not finite; stops after too many in a row."""
+class _ReferenceSync(TrainerCallback):
+    """Calls `GRPOTrainer.sync_reference` after every optimizer step."""
 
     def __init__(self, trainer: "GRPOTrainer"):
         self.trainer = trainer
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        params = [p for p in self.trainer.model.parameters() if p.grad is not None]
-        finite = all(torch.isfinite(p.grad).all() for p in params)
-        if finite:
-            self.trainer.nonfinite_in_a_row = 0
-            return
-        self.trainer.nonfinite_in_a_row += 1
-        self.trainer.record({"nonfinite_steps_skipped": 1.0})
-        for p in params:
-            p.grad = None  # optimizers skip parameters without a gradient: the step is a no-op
-        if self.trainer.nonfinite_in_a_row >= args.max_nonfinite_steps:
-            raise RuntimeError(
-                f"{self.trainer.nonfinite_in_a_row} optimizer steps in a row had non-finite gradients (skipped, "
-                "no NaN was written). Lower learning_rate, set max_grad_norm, or check the reward functions; "
-                "max_nonfinite_steps sets the limit."
-            )
-
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.after_optimizer_step()
+        self.trainer.sync_reference()
 
 
 class GRPOTrainer(Trainer):
@@ -179,15 +126,14 @@ class GRPOTrainer(Trainer):
             ref_model = load_model(ref_model)
         self.ref_model = build_reference(self.model, args.beta, ref_model)
         if self.ref_model is not None:
-            self.ref_model = self._prepare_reference(self.ref_model)
+            self.ref_model = prepare_reference(self.accelerator, self.ref_model, self.model)
         for reward in self.reward_funcs:
             if isinstance(reward, RewardModel):
                 reward.model = self.accelerator.prepare_model(reward.model, evaluation_mode=True)
         self.generation_copy = self._build_generation_copy()
         self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(funcs), dtype=torch.float32)
         self.beta = args.beta
-        self.eos_token_ids = eos_token_ids(self.model, processing_class)
-        self.nonfinite_in_a_row = 0
+        self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
         self._micro_step = 0
         self._buffer: list[dict] = []
         self._round_kl: list[float] = []
@@ -196,24 +142,10 @@ class GRPOTrainer(Trainer):
             "eval": defaultdict(list),
         }
         self._completion_rows: list[dict] = []
-        self.add_callback(_NonFiniteGuard(self))
+        self.add_callback(NonFiniteGuard(self.record))
+        self.add_callback(_ReferenceSync(self))
         self.interrupt = SaveOnInterrupt()
         self.add_callback(self.interrupt)
-
-    def _prepare_reference(self, ref: nn.Module) -> nn.Module:
-        """Place the frozen reference like the policy.
-
-        `prepare_model(evaluation_mode=True)` leaves a model untouched under FSDP: on the CPU,
-        unsharded, where a GPU run would fail and `sync_ref_model` would mix plain tensors into the
-        policy's DTensor shards. Under FSDP2 the reference is sharded like the policy instead.
-        """
-        if not self.is_fsdp_enabled:
-            return self.accelerator.prepare_model(ref, evaluation_mode=True)
-        if not self.accelerator.is_fsdp2:
-            return ref.to(self.accelerator.device)  # FSDP1: a whole frozen copy on each device
-        # Wrap by the policy's layer classes, also for a user-given reference of another class.
-        self.accelerator.state.fsdp_plugin.set_auto_wrap_policy(self.model)
-        return fsdp2_prepare_model(self.accelerator, ref)
 
     # ---- Data ---------------------------------------------------------------------------------
 
@@ -281,7 +213,9 @@ class GRPOTrainer(Trainer):
         start = time.perf_counter()
         result = self.generate_completions(prompt_ids, prompt_mask)
         seconds = time.perf_counter() - start
-        completions = self.decode_completions(result, chat=not isinstance(prompts[0], str))
+        completions = rollout.decode_completions(
+            self.processing_class, result, chat=not isinstance(prompts[0], str)
+        )
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         completion_ids = [
             ids[mask.bool()].tolist()
@@ -359,10 +293,6 @@ class GRPOTrainer(Trainer):
         with unsharded_for_generation(model, self.accelerator):
             return rollout.generate(model, prompt_ids, prompt_mask, config)
 
-    def decode_completions(self, result: rollout.Rollout, chat: bool) -> list:
-        texts = self.processing_class.batch_decode(result.completion_ids, skip_special_tokens=True)
-        return [[{"role": "assistant", "content": text}] for text in texts] if chat else texts
-
     def _advantages(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather every process's rewards, normalise per group, keep this process's slice."""
         all_rewards = self.accelerator.gather(rewards_per_func)  # (N, F)
@@ -434,17 +364,13 @@ class GRPOTrainer(Trainer):
         )
         self._round_kl = []
 
-    def after_optimizer_step(self) -> None:
+    def sync_reference(self) -> None:
         """Reference sync (TR-DPO) every ref_model_sync_steps optimizer steps."""
         args = self.args
         if args.sync_ref_model and self.state.global_step % args.ref_model_sync_steps == 0:
             ref = self.accelerator.unwrap_model(self.ref_model)
             policy = self.accelerator.unwrap_model(self.model)
-            # FSDP2 leaves groups built with reshard_after_forward=False (accelerate's lm_head / norm
-            # group) whole after a no-grad forward; mix shard into shard.
-            for module in (*ref.modules(), *policy.modules()):
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+            reshard(ref, policy)  # mix shard into shard under FSDP2
             mix_into_reference(ref, policy, args.ref_model_mixup_alpha)
 
     # ---- Metrics ------------------------------------------------------------------------------
@@ -493,7 +419,12 @@ class GRPOTrainer(Trainer):
         start = self.accelerator.process_index * n
         local_rewards = rewards[start : start + n].tolist()
         rows = [
-            {"step": self.state.global_step, "prompt": _text(p), "completion": _text(c), "reward": r}
+            {
+                "step": self.state.global_step,
+                "prompt": rollout.message_text(p),
+                "completion": rollout.message_text(c),
+                "reward": r,
+            }
             for p, c, r in zip(prompts, completions, local_rewards, strict=True)
         ]
         self._completion_rows = gather_object(rows)[: self.args.num_completions_to_print]
@@ -542,7 +473,9 @@ class GRPOTrainer(Trainer):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
-                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}.")
+                raise ValueError(
+                    f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}."
+                )
         if resume_from_checkpoint:
             state = read_state(resume_from_checkpoint)
             self.beta, self._round_kl = state["beta"], state["round_kl"]
@@ -554,135 +487,6 @@ class GRPOTrainer(Trainer):
 
 
 # ---- Helpers ------------------------------------------------------------------------------------
-
-
-def check_prompt_dataset(dataset, name: str) -> None:
-    """Fail early, naming the column, on a dataset the trainer cannot use."""
-    columns = getattr(dataset, "column_names", None)
-    if columns is not None and "prompt" not in columns:
-        raise ValueError(
-            f"{name} has no 'prompt' column (columns: {columns}); rename the prompt column to 'prompt'."
-        )
-    if len(dataset) == 0:
-        raise ValueError(f"{name} is empty.")
-    prompts = dataset["prompt"] if columns is not None else [row["prompt"] for row in dataset]
-    kinds = {"text" if isinstance(p, str) else "chat" if _is_chat(p) else type(p).__name__ for p in prompts}
-    if kinds - {"text", "chat"}:
-        raise ValueError(
-            f"{name}: 'prompt' must be a string or a list of {{'role', 'content'}} messages; found {kinds - {'text', 'chat'}}."
-        )
-    if len(kinds) > 1:
-        raise ValueError(
-            f"{name}: 'prompt' mixes plain-text and chat-format rows; use one format for all rows."
-        )
-
-
-def _is_chat(prompt: object) -> bool:
-    return isinstance(prompt, list) and all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
-    )
-
-
-def _text(value: str | list[dict]) -> str:
-    return value if isinstance(value, str) else value[-1]["content"]
-
-
-def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
-    """Split every tensor of a batch along dim 0 into `parts` equal micro-batches."""
-    chunks = {key: value.chunk(parts) for key, value in batch.items()}
-    return [{key: chunks[key][i] for key in batch} for i in range(parts)]
-
-
-def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop prompt columns that are padding in every row and completion columns past every mask."""
-    attention = batch["attention_mask"]
-    prompt_width = attention.shape[1] - batch["completion_mask"].shape[1]
-    first = int(attention[:, :prompt_width].any(dim=0).float().argmax())
-    last = (
-        int(batch["completion_mask"].any(dim=0).nonzero().max()) + 1 if batch["completion_mask"].any() else 1
-    )
-    out = dict(batch)
-    out["input_ids"] = batch["input_ids"][:, first : prompt_width + last]
-    out["attention_mask"] = attention[:, first : prompt_width + last]
-    out["completion_mask"] = batch["completion_mask"][:, :last]
-    return out
-
-
-@contextlib.contextmanager
-def unsharded_for_generation(model: nn.Module, accelerator) -> Iterator[None]:
-    """Under FSDP2, all-gather the parameters once and keep them whole while decoding.
-
-    Decoding calls the model once per token and each process stops when its own rows are done.
-    With FSDP2's per-forward all-gathers, processes stopping at different steps would issue
-    mismatched collectives (a crash or a hang); with whole parameters decoding needs none, and
-    saves an all-gather per token, at the cost of holding the whole model during generation.
-    Afterwards every group reshards after forward as configured, except the root (False, as FSDP
-    sets it): accelerate's lm_head / norm group, which it kept whole, is regathered in backward.
-    """
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)] if accelerator.is_fsdp2 else []
-    for module in modules:
-        module.set_reshard_after_forward(False, recurse=False)
-        module.unshard()
-    try:
-        yield
-    finally:
-        reshard = bool(accelerator.state.fsdp_plugin.reshard_after_forward) if modules else False
-        for module in modules:
-            module.reshard()
-            module.set_reshard_after_forward(reshard and module is not model, recurse=False)
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Set every dropout probability to 0: old, current and reference log-probs must agree."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-
-
-def wrap_with_peft(
-    model: PreTrainedModel, peft_config: PeftConfig, gradient_checkpointing: bool
-) -> nn.Module:
-    """LoRA (or another PEFT method) around the model, with a clear error for unknown target modules."""
-    if gradient_checkpointing:
-        model.enable_input_require_grads()
-    try:
-        return get_peft_model(model, peft_config)
-    except ValueError as err:
-        if "not found" not in str(err) and "Target modules" not in str(err):
-            raise
-        names = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name})
-        raise ValueError(
-            f"peft_config.target_modules={peft_config.target_modules} matches no module of this model; "
-            f"module names include {names[:40]}."
-        ) from err
-
-
-def load_reward_model(model: str | PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> RewardModel:
-    """A sequence-classification reward model (one label) with its tokenizer."""
-    if isinstance(model, str):
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
-        model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1)
-    elif tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.eval().requires_grad_(False)
-    return RewardModel(
-        model, tokenizer, name=model.name_or_path.rstrip("/").rsplit("/", 1)[-1] or type(model).__name__
-    )
-
-
-def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Every token that ends a completion: the tokenizer's EOS and the generation config's."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(config_eos if isinstance(config_eos, list) else [config_eos] if config_eos is not None else [])
-    if not ids:
-        raise ValueError(
-            "Neither the tokenizer nor the model's generation_config has an eos token; set tokenizer.eos_token."
-        )
-    return sorted(ids)
 
 
 def log_completion_table(rows: list[dict], report_to: list[str], step: int) -> None:

@@ -32,7 +32,9 @@ class ScriptArguments:
     num_train: int = field(default=2000, metadata={"help": "Training problems to generate."})
     num_test: int = field(default=200, metadata={"help": "Held-out problems for greedy accuracy."})
     eval_max_new_tokens: int = field(default=32, metadata={"help": "Greedy evaluation completion length."})
-    merge_adapter: bool = field(default=False, metadata={"help": "Also save the LoRA merged into the weights."})
+    merge_adapter: bool = field(
+        default=False, metadata={"help": "Also save the LoRA merged into the weights."}
+    )
 
 
 @dataclass
@@ -92,11 +94,17 @@ def main() -> None:
             task_type="CAUSAL_LM",
         )
     state = PartialState()
-    before = evaluate(model, tokenizer, data["test"], task.accuracy, script) if state.is_main_process else None
+    before = (
+        evaluate(model, tokenizer, data["test"], task.accuracy, script) if state.is_main_process else None
+    )
 
     trainer = GRPOTrainer(
-        model=model, reward_funcs=task.rewards, args=args, train_dataset=data["train"],
-        processing_class=tokenizer, peft_config=peft_config,
+        model=model,
+        reward_funcs=task.rewards,
+        args=args,
+        train_dataset=data["train"],
+        processing_class=tokenizer,
+        peft_config=peft_config,
     )
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
@@ -126,13 +134,16 @@ def report(script, args, before, after, train_seconds, steps, plot_path) -> None
         "torch_threads": torch.get_num_threads(),
     }
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
-        json.dump({**results, "samples_before": before["samples"], "samples_after": after["samples"]}, f, indent=1)
+        json.dump(
+            {**results, "samples_before": before["samples"], "samples_after": after["samples"]}, f, indent=1
+        )
     print(f"\nHeld-out greedy accuracy ({script.num_test} {script.task} problems):")
-    print(f"  before: {before['accuracy']:.1%}   after: {after['accuracy']:.1%}   ({steps} steps, {train_seconds:.0f} s)")
+    print(
+        f"  before: {before['accuracy']:.1%}   after: {after['accuracy']:.1%}   ({steps} steps, {train_seconds:.0f} s)"
+    )
     for title, samples in (("before", before["samples"]), ("after", after["samples"])):
         print(f"Sample completions {title} training:")
-        for prompt, completion, reward in samples:
-            question = prompt.strip().splitlines()[-2] if prompt.count("\n") > 1 else prompt
+        for question, completion, reward in samples:
             print(f"  [{reward:.0f}] {question[-50:]!r} -> {completion.strip()[:60]!r}")
     print(f"Plot: {plot_path}   adapter/model: {args.output_dir}   results: {args.output_dir}/results.json")
 

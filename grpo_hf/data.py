@@ -1,0 +1,98 @@
+"""The prompt dataset on its way into a generation round: checks, group sampling, micro-batches.
+
+- `check_prompt_dataset`: a dataset the trainer cannot use fails before any model work, naming
+  the column to fix.
+- `GroupSampler`: each prompt repeated G times, in the same order on every process.
+- `split_batch` / `trim_padding`: a generation batch cut into micro-batches with no all-padding
+  columns.
+"""
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+def check_prompt_dataset(dataset, name: str) -> None:
+    """Fail early, naming the column, on a dataset the trainer cannot use."""
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(
+            f"{name} has no 'prompt' column (columns: {columns}); rename the prompt column to 'prompt'."
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty.")
+    prompts = dataset["prompt"] if columns is not None else [row["prompt"] for row in dataset]
+    kinds = {"text" if isinstance(p, str) else "chat" if _is_chat(p) else type(p).__name__ for p in prompts}
+    if kinds - {"text", "chat"}:
+        raise ValueError(
+            f"{name}: 'prompt' must be a string or a list of {{'role', 'content'}} messages; found {kinds - {'text', 'chat'}}."
+        )
+    if len(kinds) > 1:
+        raise ValueError(
+            f"{name}: 'prompt' mixes plain-text and chat-format rows; use one format for all rows."
+        )
+
+
+def _is_chat(prompt: object) -> bool:
+    return isinstance(prompt, list) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+    )
+
+
+class GroupSampler(Sampler[int]):
+    """Shuffled prompt indices, each repeated G times, each generation batch repeated `repeats` times.
+
+    Every process builds the same sequence from the same seed; Accelerate hands each process its
+    own contiguous slice of every generation batch.
+    """
+
+    def __init__(
+        self, num_prompts: int, num_generations: int, prompts_per_batch: int, repeats: int, seed: int
+    ):
+        self.num_prompts, self.num_generations = num_prompts, num_generations
+        self.prompts_per_batch, self.repeats, self.seed = prompts_per_batch, repeats, seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.num_prompts, generator=generator).tolist()
+        usable = len(order) - len(order) % self.prompts_per_batch
+        for start in range(0, usable, self.prompts_per_batch):
+            batch = [
+                i for i in order[start : start + self.prompts_per_batch] for _ in range(self.num_generations)
+            ]
+            for _ in range(self.repeats):
+                yield from batch
+
+    def __len__(self) -> int:
+        return (
+            (self.num_prompts // self.prompts_per_batch)
+            * self.prompts_per_batch
+            * self.num_generations
+            * self.repeats
+        )
+
+
+def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """Split every tensor of a batch along dim 0 into `parts` equal micro-batches."""
+    chunks = {key: value.chunk(parts) for key, value in batch.items()}
+    return [{key: chunks[key][i] for key in batch} for i in range(parts)]
+
+
+def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop prompt columns that are padding in every row and completion columns past every mask."""
+    attention = batch["attention_mask"]
+    prompt_width = attention.shape[1] - batch["completion_mask"].shape[1]
+    first = int(attention[:, :prompt_width].any(dim=0).float().argmax())
+    last = (
+        int(batch["completion_mask"].any(dim=0).nonzero().max()) + 1 if batch["completion_mask"].any() else 1
+    )
+    out = dict(batch)
+    out["input_ids"] = batch["input_ids"][:, first : prompt_width + last]
+    out["attention_mask"] = attention[:, first : prompt_width + last]
+    out["completion_mask"] = batch["completion_mask"][:, :last]
+    return out
