@@ -4,6 +4,9 @@ The Trainer writes a checkpoint folder file by file. GRPO's own state (adaptive 
 round so far) is written last, atomically, and doubles as the "complete" marker: resuming with
 `resume_from_checkpoint=True` takes the newest folder that has it, so a crash while saving leaves
 the previous checkpoint in charge. Old checkpoints are rotated only after the new one is complete.
+A checkpoint saved inside a generation round (num_iterations > 1, or several optimizer steps per
+round) also holds each process's remaining micro-batches of that round, so resuming continues on
+the same completions instead of sampling new ones.
 `NonFiniteGuard` skips optimizer steps with non-finite gradients, so no NaN reaches the weights.
 """
 
@@ -19,6 +22,7 @@ import torch
 from transformers import TrainerCallback
 
 STATE_FILE = "grpo_state.json"
+ROUND_FILE = "grpo_round_{}.pt"  # per process: the rest of a generation round saved mid-round
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -43,6 +47,25 @@ def read_state(folder: str) -> dict:
         )
     with open(path) as f:
         return json.load(f)
+
+
+def write_round(folder: str, process_index: int, micro_batches: list[dict]) -> None:
+    """Save this process's micro-batches of the current generation round (temp file, then rename)."""
+    path = os.path.join(folder, ROUND_FILE.format(process_index))
+    torch.save(micro_batches, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def read_round(folder: str, process_index: int, device: torch.device) -> list[dict]:
+    """The micro-batches of the generation round a checkpoint was saved in the middle of."""
+    path = os.path.join(folder, ROUND_FILE.format(process_index))
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"resume_from_checkpoint={folder!r} was saved inside a generation round but has no {os.path.basename(path)}; "
+            "resume from a checkpoint saved at the end of a round, or with the same steps_per_generation, "
+            "num_iterations and number of processes."
+        )
+    return torch.load(path, map_location=device, weights_only=True)
 
 
 def last_complete_checkpoint(output_dir: str) -> str | None:

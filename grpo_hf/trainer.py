@@ -36,7 +36,9 @@ from grpo_hf.checkpoints import (
     NonFiniteGuard,
     SaveOnInterrupt,
     last_complete_checkpoint,
+    read_round,
     read_state,
+    write_round,
     write_state,
 )
 from grpo_hf.config import GRPOConfig
@@ -155,7 +157,7 @@ class GRPOTrainer(Trainer):
             num_prompts=len(train_dataset if train_dataset is not None else self.train_dataset),
             num_generations=args.num_generations,
             prompts_per_batch=args.generation_batch_size // args.num_generations,
-            repeats=args.steps_per_generation * args.num_iterations,
+            repeats=self.round_length,
             seed=args.seed,
         )
 
@@ -193,12 +195,17 @@ class GRPOTrainer(Trainer):
         if not self.model.training:
             return self._generate_and_score(inputs)[0]
         args = self.args
-        if self._micro_step % (args.steps_per_generation * args.num_iterations) == 0:
+        if self._micro_step % self.round_length == 0:
             self._update_adaptive_beta()
             self._buffer = self._generate_and_score(inputs)
         batch = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
         return batch
+
+    @property
+    def round_length(self) -> int:
+        """Micro-steps fed by one generation round."""
+        return self.args.steps_per_generation * self.args.num_iterations
 
     def _generate_and_score(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
         """Generate, score and prepare one generation batch; return its micro-batches."""
@@ -457,12 +464,13 @@ class GRPOTrainer(Trainer):
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
+        run_dir = self._get_output_dir(trial)
+        folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        if self._micro_step % self.round_length:
+            write_round(folder, self.accelerator.process_index, self._buffer)
+        self.accelerator.wait_for_everyone()  # every process's files are in before the marker
         if self.args.should_save:
-            run_dir = self._get_output_dir(trial)
-            write_state(
-                os.path.join(run_dir, f"checkpoint-{self.state.global_step}"),
-                {"beta": self.beta, "round_kl": self._round_kl},
-            )
+            write_state(folder, {"beta": self.beta, "round_kl": self._round_kl})
             rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
@@ -482,6 +490,10 @@ class GRPOTrainer(Trainer):
             with open(os.path.join(resume_from_checkpoint, "trainer_state.json")) as f:
                 step = json.load(f)["global_step"]
             self._micro_step = step * self.args.gradient_accumulation_steps
+            if self._micro_step % self.round_length:
+                self._buffer = read_round(
+                    resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device
+                )
         with self.interrupt.catching_signals():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 

@@ -194,3 +194,15 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     resumed.train(resume_from_checkpoint=True)  # takes checkpoint-1
     assert resumed.state.global_step == 2
+
+
+def test_checkpoint_inside_a_round_holds_its_micro_batches(tmp_path):
+    # Two optimizer steps per generation round: a checkpoint after step 1 is inside a round.
+    trainer = build(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, num_iterations=2)
+    trainer.train()
+    assert (tmp_path / "checkpoint-1" / "grpo_round_0.pt").is_file()
+    assert not (tmp_path / "checkpoint-2" / "grpo_round_0.pt").exists()  # end of a round: nothing pending
+    (tmp_path / "checkpoint-1" / "grpo_round_0.pt").unlink()
+    resumed = build(tmp_path, max_steps=2, num_iterations=2)
+    with pytest.raises(ValueError, match="saved inside a generation round but has no grpo_round_0.pt"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))

@@ -146,12 +146,19 @@ class StopAfter(TrainerCallback):
             control.should_training_stop = True
 
 
-def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
-    """4 steps straight == 2 steps, stop, resume, 2 more: sampling RNG, optimizer, scheduler, adaptive beta."""
+@pytest.mark.parametrize(
+    ("stop_after", "round_settings"),
+    [(2, {"num_iterations": 2}), (1, {"num_iterations": 2}), (1, {"steps_per_generation": 2})],
+    ids=["between-rounds", "mid-round-mu2", "mid-round-two-steps"],
+)
+def test_checkpoint_resume_matches_uninterrupted_run(tmp_path, stop_after, round_settings):
+    """4 steps straight == stop_after steps, stop, resume, the rest: parameters, AdamW state, scheduler,
+    sampling RNG and adaptive beta. A round spans 2 optimizer steps, so stopping after step 1 resumes
+    inside a generation round, whose remaining micro-batches must come from the checkpoint."""
 
-    def run(output, stop_after=None, resume=None):
+    def run(output, stop=None, resume=None):
         args = make_config(
-            output, max_steps=4, save_strategy="steps", save_steps=2, num_iterations=2, target_kl=0.001
+            output, max_steps=4, save_strategy="steps", save_steps=1, target_kl=0.001, **round_settings
         )
         trainer = GRPOTrainer(
             model=tiny_llama(),
@@ -159,17 +166,24 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
             args=args,
             train_dataset=chat_dataset(16),
             processing_class=tiny_tokenizer(),
-            callbacks=[StopAfter(stop_after)] if stop_after else None,
+            callbacks=[StopAfter(stop)] if stop else None,
         )
         trainer.train(resume_from_checkpoint=resume)
         return trainer
 
     straight = run(tmp_path / "straight")
-    run(tmp_path / "interrupted", stop_after=2)
-    resumed = run(tmp_path / "interrupted", resume=str(tmp_path / "interrupted" / "checkpoint-2"))
+    run(tmp_path / "interrupted", stop=stop_after)
+    resumed = run(tmp_path / "interrupted", resume=str(tmp_path / "interrupted" / f"checkpoint-{stop_after}"))
     # Same operations in the same order on the same machine: bit-identical, not just close.
     for (name, a), (_, b) in zip(
         straight.model.named_parameters(), resumed.model.named_parameters(), strict=True
     ):
         assert torch.equal(a, b), name
+    for a, b in zip(
+        straight.optimizer.state_dict()["state"].values(),
+        resumed.optimizer.state_dict()["state"].values(),
+        strict=True,
+    ):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert straight.lr_scheduler.state_dict() == resumed.lr_scheduler.state_dict()
     assert resumed.beta == straight.beta != 0.04  # the controller moved beta, and resume restored it
