@@ -21,6 +21,7 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset
 from peft import PeftConfig
+from torch import nn
 from torch.utils.data import Sampler
 from transformers import (
     PreTrainedModel,
@@ -255,22 +256,29 @@ class GRPOTrainer(Trainer):
         """Trim padding and add old / reference log-probs (no grad, once per round)."""
         batch = trim_padding(batch)
         batch["dapo_normalizer"] = normalizer
-        width = batch["completion_mask"].shape[1]
         with torch.no_grad(), self.compute_loss_context_manager():  # the loss's precision (bf16 autocast)
             if self.needs_old_logps():
-                batch["old_logps"] = completion_logps(
-                    self.model_wrapped,
-                    batch["input_ids"],
-                    batch["attention_mask"],
-                    width,
-                    self.args.temperature,
-                )[0]
+                batch["old_logps"] = self.completion_logps(self.model_wrapped, batch)[0]
             if self.beta > 0:
                 with reference_context(self.model, self.ref_model) as ref:
-                    batch["ref_logps"] = completion_logps(
-                        ref, batch["input_ids"], batch["attention_mask"], width, self.args.temperature
-                    )[0]
+                    batch["ref_logps"] = self.completion_logps(ref, batch)[0]
         return batch
+
+    def completion_logps(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, C) log-probs of the batch's completion tokens under `model` (and their entropy)."""
+        return completion_logps(
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["completion_mask"].shape[1],
+            self.args.temperature,
+            with_entropy=with_entropy,
+            entropy_grad=with_entropy and self.args.entropy_coef > 0,
+            # Gradient checkpointing switches the KV cache off in training mode, so no prompt sharing.
+            share_prompts=not self.args.gradient_checkpointing,
+        )
 
     def needs_old_logps(self) -> bool:
         """Old log-probs differ from the current ones only if the policy moves within a round."""
@@ -319,16 +327,7 @@ class GRPOTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
-        width = inputs["completion_mask"].shape[1]
-        logps, entropy = completion_logps(
-            model,
-            inputs["input_ids"],
-            inputs["attention_mask"],
-            width,
-            args.temperature,
-            with_entropy=True,
-            entropy_grad=args.entropy_coef > 0,
-        )  # (B, C), (B, C)
+        logps, entropy = self.completion_logps(model, inputs, with_entropy=True)  # (B, C), (B, C)
         loss, metrics = grpo_loss(
             logps,
             inputs.get("old_logps"),

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from tiny_models import tiny_llama
+from tiny_models import tiny_gpt2, tiny_llama
 
 from grpo_hf.logprobs import completion_logps, position_ids_from_mask, token_logps_and_entropy
 
@@ -120,3 +120,55 @@ def test_left_padded_row_equals_the_unpadded_row(model):
     # The check can fail: attending to the pads (mask of ones) moves the log-probs.
     unmasked, _ = completion_logps(model, padded_ids, torch.ones_like(padded_ids), C)  # (2, C)
     assert (unmasked[0:1] - alone).abs().max() > 1e-4
+
+
+# ---- Shared prompts: each distinct prompt runs once ------------------------------------------
+
+
+def grouped_batch() -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Two prompts (one left-padded) x 3 completions each; completions end early with padding."""
+    torch.manual_seed(0)
+    prompts = torch.tensor([[0, 0, 5, 6, 7]] * 3 + [[8, 9, 10, 11, 12]] * 3)  # (6, 5)
+    prompt_mask = (prompts != 0).long()  # (6, 5)
+    completions = torch.randint(3, 250, (6, 4))  # (6, 4)
+    completion_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]] * 2)  # after EOS: 0
+    completions = completions.masked_fill(completion_mask == 0, 0)
+    ids = torch.cat([prompts, completions], dim=1)  # (6, 9)
+    return ids, torch.cat([prompt_mask, completion_mask], dim=1), 4
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_shared_prompts_give_the_same_logps_and_gradients(build):
+    ids, mask, width = grouped_batch()
+    completion_mask = mask[:, -width:].float()  # (6, 4)
+    results = []
+    for share in (False, True):
+        model = build().eval()  # GPT-2's dropout would make the two passes differ
+        logps, _ = completion_logps(model, ids, mask, width, temperature=0.9, share_prompts=share)  # (6, 4)
+        (logps * completion_mask).sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        results.append((logps.detach() * completion_mask, grads))
+    (whole, whole_grads), (shared, shared_grads) = results
+    torch.testing.assert_close(shared, whole, rtol=1e-5, atol=1e-5)
+    assert whole_grads.keys() == shared_grads.keys() and len(whole_grads) > 10
+    for name in whole_grads:
+        torch.testing.assert_close(shared_grads[name], whole_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_prefill_runs_each_distinct_prompt_once(model):
+    ids, mask, width = grouped_batch()
+    seen = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    try:
+        completion_logps(model, ids, mask, width)
+    finally:
+        hook.remove()
+    # Two distinct prompts of 5 tokens, then 6 rows of the 4 completion tokens.
+    assert seen == [torch.Size([2, 5]), torch.Size([6, 4])]
+
+
+def test_completion_of_one_token(model):
+    ids, mask, _ = grouped_batch()
+    shared, _ = completion_logps(model, ids[:, :6], mask[:, :6], 1)  # (6, 1)
+    whole, _ = completion_logps(model, ids[:, :6], mask[:, :6], 1, share_prompts=False)
+    torch.testing.assert_close(shared, whole, rtol=1e-5, atol=1e-5)
