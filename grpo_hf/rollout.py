@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import DynamicCache, GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from grpo_hf.logprobs import position_ids_from_mask
+from grpo_hf.logprobs import position_ids_from_mask, prefill_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -161,24 +161,32 @@ def logits_processors(config: GenerationConfig) -> LogitsProcessorList:
     return processors
 
 
-def unique_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of the distinct consecutive prompt rows, and each row's index into them.
+SAMPLING_BLOCK = 256
 
-    The group sampler lays each prompt's G copies side by side, so comparing neighbours finds them.
+
+def sample_tokens(scores: torch.Tensor, block: int = SAMPLING_BLOCK) -> torch.Tensor:
+    """One token per row from softmax(scores), by inverting the CDF with one uniform number per row.
+
+    `torch.multinomial` (or an exponential race, argmax p / E) draws a random number per vocabulary
+    entry: 17 ms for 16 rows of a 49k vocabulary on a CPU, against 1 ms here, at every decoding
+    step. The CDF is built in two levels so that float32 rounding stays within a block: cumulative
+    sums inside blocks of `block` tokens in float32, then across the blocks' totals in float64. A
+    token of probability 0 has an empty interval and is never drawn.
     """
-    same = (prompt_ids[1:] == prompt_ids[:-1]).all(dim=1) & (prompt_mask[1:] == prompt_mask[:-1]).all(dim=1)
-    new = torch.cat([torch.ones(1, dtype=torch.bool, device=same.device), ~same])  # (B,)
-    return new.nonzero().squeeze(1), new.long().cumsum(dim=0) - 1  # (U,), (B,)
-
-
-def sample_tokens(scores: torch.Tensor) -> torch.Tensor:
-    """One token per row from softmax(scores), by the exponential race: argmax p_i / E_i, E_i ~ Exp(1).
-
-    Exactly distributed as `torch.multinomial` (the smallest E_i / p_i is the first arrival of
-    independent Poisson clocks with rates p_i), and about 10x faster for a 50k vocabulary on a CPU.
-    """
-    probs = torch.softmax(scores, dim=-1)  # (B, V)
-    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)  # (B,)
+    probs = torch.softmax(scores.float(), dim=-1)  # (B, V)
+    rows, vocab = probs.shape
+    padded = torch.nn.functional.pad(probs, (0, -vocab % block))  # (B, K * block) zeros at the end
+    within = padded.view(rows, -1, block).cumsum(dim=-1)  # (B, K, block) float32
+    ends = within[:, :, -1].double().cumsum(dim=-1)  # (B, K) float64: CDF at each block's end
+    starts = torch.nn.functional.pad(ends[:, :-1], (1, 0))  # (B, K) CDF before each block
+    u = torch.rand(rows, 1, dtype=torch.float64, device=probs.device) * ends[:, -1:]  # (B, 1)
+    k = torch.searchsorted(ends, u, right=True).clamp_(max=ends.shape[1] - 1)  # (B, 1) block index
+    # starts + within[k] reproduces ends[k] exactly (the same float64 sum), so u < its last entry.
+    cdf = (
+        starts.gather(1, k) + within[torch.arange(rows, device=probs.device), k.squeeze(1)].double()
+    )  # (B, block)
+    j = torch.searchsorted(cdf, u, right=True).clamp_(max=block - 1)  # (B, 1)
+    return (k * block + j).squeeze(1)  # (B,)
 
 
 @torch.no_grad()
@@ -210,26 +218,15 @@ def _decode(
     model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig
 ) -> torch.Tensor:
     """The sampling loop; returns (B, C) new tokens, C <= max_new_tokens."""
-    first, row_to_unique = unique_rows(prompt_ids, prompt_mask)
-    positions = position_ids_from_mask(prompt_mask)  # (B, P)
-    cache = DynamicCache()
-    out = model(
-        input_ids=prompt_ids[first],
-        attention_mask=prompt_mask[first],
-        position_ids=positions[first],
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache.batch_select_indices(row_to_unique)
-    logits = out.logits[row_to_unique, -1].float()  # (B, V)
+    logits, cache = prefill_prompts(model, prompt_ids, prompt_mask)  # (B, V)
+    logits = logits.float()
     processors = logits_processors(config)
     eos = torch.tensor(
         config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id],
         device=prompt_ids.device,
     )
     sequence, attention = prompt_ids, prompt_mask
-    next_position = positions[:, -1:] + 1  # (B, 1)
+    next_position = position_ids_from_mask(prompt_mask)[:, -1:] + 1  # (B, 1)
     done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
     new_tokens = []
     for step in range(config.max_new_tokens):

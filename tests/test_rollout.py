@@ -6,6 +6,7 @@ from tiny_models import tiny_gpt2, tiny_llama, tiny_tokenizer
 from transformers import GenerationConfig
 
 from grpo_hf import rollout
+from grpo_hf.logprobs import unique_rows
 
 
 def prompts(tokenizer, repeats: int = 3):
@@ -32,12 +33,33 @@ def test_greedy_decode_matches_model_generate(build):
     assert torch.equal(ours.completion_ids, reference.masked_fill(reference_mask == 0, 0)[:, :width])
 
 
-def test_sample_tokens_follows_the_softmax():
+@pytest.mark.parametrize("block", [2, 3, 256], ids=["block-2", "block-3", "one-block"])
+def test_sample_tokens_follows_the_softmax(block):
     torch.manual_seed(0)
-    scores = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]])).expand(20000, 4)  # (N, 4)
-    counts = torch.bincount(rollout.sample_tokens(scores), minlength=4).float() / 20000
-    # binomial std at p=0.5, N=20000 is 0.0035: 0.015 is over 4 std
-    torch.testing.assert_close(counts, torch.tensor([0.5, 0.3, 0.2, 0.0]), rtol=0, atol=0.015)
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.0, 0.15, 0.05, 0.0])  # 7 tokens: several blocks, a ragged end
+    scores = torch.log(probs).expand(40000, 7)  # (N, 7); log 0 = -inf
+    counts = torch.bincount(rollout.sample_tokens(scores, block=block), minlength=7).float() / 40000
+    # binomial std at p=0.5, N=40000 is 0.0025: 0.01 is 4 std
+    torch.testing.assert_close(counts, probs, rtol=0, atol=0.01)
+    assert counts[[1, 3, 6]].sum() == 0  # probability 0: never drawn
+
+
+def test_sample_tokens_rows_are_independent_distributions():
+    torch.manual_seed(1)
+    scores = torch.tensor([[0.0, -float("inf"), -float("inf")], [-float("inf"), -float("inf"), 5.0]])
+    draws = rollout.sample_tokens(scores.repeat(500, 1), block=2).view(500, 2)  # (500, 2)
+    assert (draws[:, 0] == 0).all() and (draws[:, 1] == 2).all()
+
+
+def test_sample_tokens_tail_next_to_a_dominant_token():
+    """255 tokens sharing 1% beside one of 99%: the tail keeps its share."""
+    torch.manual_seed(2)
+    probs = torch.full((256,), 0.01 / 255)
+    probs[0] = 0.99  # (256,)
+    draws = rollout.sample_tokens(torch.log(probs).expand(40000, 256), block=16)
+    tail = (draws != 0).float().mean().item()
+    assert abs(tail - 0.01) < 5 * (0.01 * 0.99 / 40000) ** 0.5  # 5 std of the binomial
+    assert len(draws[draws != 0].unique()) > 200  # spread over the tail, not stuck on a few tokens
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
@@ -66,7 +88,7 @@ def test_completion_mask_ends_after_first_eos_and_flags_truncation():
 def test_unique_rows_finds_each_prompts_copies():
     tokenizer = tiny_tokenizer()
     ids, mask = prompts(tokenizer, repeats=2)
-    first, row_to_unique = rollout.unique_rows(ids, mask)
+    first, row_to_unique = unique_rows(ids, mask)
     assert first.tolist() == [0, 2, 4]
     assert row_to_unique.tolist() == [0, 0, 1, 1, 2, 2]
 
