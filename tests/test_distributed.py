@@ -9,6 +9,7 @@ the logged global metrics must agree within float tolerance.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -72,18 +73,27 @@ def launch(output: Path, scenarios: list[str], config: str | None) -> None:
             "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
             "--main_process_port", str(free_port()), "--num_cpu_threads_per_process", "1",
         ]  # fmt: skip
+    # A session of its own, so that a hang kills the launcher's workers too, not only the launcher.
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        result = subprocess.run(
-            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT
-        )
-    except subprocess.TimeoutExpired as err:
-        stderr = err.stderr.decode() if isinstance(err.stderr, bytes) else err.stderr or ""
+        _, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        _, stderr = process.communicate()
         pytest.fail(
             f"timed out after {LAUNCH_TIMEOUT} s: {' '.join(command)}\n--- stderr ---\n{stderr[-8000:]}"
         )
-    if result.returncode != 0:
-        pytest.fail(f"exit {result.returncode}: {' '.join(command)}\n--- stderr ---\n{result.stderr[-8000:]}")
-    (output / "stderr.txt").write_text(result.stderr)
+    if process.returncode != 0:
+        pytest.fail(f"exit {process.returncode}: {' '.join(command)}\n--- stderr ---\n{stderr[-8000:]}")
+    (output / "stderr.txt").write_text(stderr)
 
 
 @pytest.fixture(scope="module")
