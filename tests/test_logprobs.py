@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_gpt2, tiny_llama
 
+from grpo_hf import logprobs
 from grpo_hf.logprobs import completion_logps, position_ids_from_mask, token_logps_and_entropy
 
 
@@ -172,3 +173,22 @@ def test_completion_of_one_token(model):
     shared, _ = completion_logps(model, ids[:, :6], mask[:, :6], 1)  # (6, 1)
     whole, _ = completion_logps(model, ids[:, :6], mask[:, :6], 1, share_prompts=False)
     torch.testing.assert_close(shared, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_math_attention_only_for_short_batches_on_a_cpu(monkeypatch):
+    chosen = []
+    real = logprobs.sdpa_kernel
+    monkeypatch.setattr(logprobs, "sdpa_kernel", lambda backend: chosen.append(backend) or real(backend))
+    with logprobs.attention_kernel(torch.zeros(16, 256, dtype=torch.long)):  # 16 x 256^2: the limit
+        pass
+    with logprobs.attention_kernel(torch.zeros(16, 257, dtype=torch.long)):  # one token more: SDPA decides
+        pass
+    assert chosen == [logprobs.SDPBackend.MATH]
+
+
+def test_either_attention_kernel_gives_the_same_logps(model, monkeypatch):
+    ids, mask, width = grouped_batch()
+    math_logps, _ = completion_logps(model, ids, mask, width)
+    monkeypatch.setattr(logprobs, "MATH_ATTENTION_MAX", 0)
+    default_logps, _ = completion_logps(model, ids, mask, width)
+    torch.testing.assert_close(math_logps, default_logps, rtol=1e-5, atol=1e-5)
