@@ -7,6 +7,10 @@ so decoding pays nothing for them; the policy itself is never merged and unmerge
 weights stay bit-identical. `refresh()` writes the current policy weights into the copy once per
 generation round. Only the sampling distribution is rounded: log-probs for the loss still come
 from the policy, as when a separate inference engine generates.
+
+Decoding steps (one query token) compute attention with plain float32 matmuls (`decode_attention`):
+SDPA's CPU kernels spend ~0.55 ms per layer on the 16 x 77-key attention of a decoding step, the
+matmuls ~0.25 ms. Longer queries (the prompt prefill) go to SDPA as usual.
 """
 
 import copy
@@ -14,8 +18,47 @@ import copy
 import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 from grpo_hf.reference import is_peft_model
+
+DECODE_ATTENTION = "grpo_hf_decode"
+
+
+def decode_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention of one query token over the cache in float32; anything else goes to SDPA.
+
+    query (B, H, 1, D); key, value (B, KV, L, D) with H a multiple of KV (grouped queries);
+    attention_mask a bool (B, 1, 1, L) with True where attending, or None. Returns (B, 1, H, D).
+    """
+    if query.shape[2] != 1 or kwargs.get("position_bias") is not None or dropout:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    batch, heads, _, dim = query.shape
+    groups = key.shape[1]
+    scale = dim**-0.5 if scaling is None else scaling
+    grouped = query.reshape(batch, groups, heads // groups, dim).float()  # (B, KV, H / KV, D)
+    scores = grouped @ key.float().transpose(-1, -2) * scale  # (B, KV, H / KV, L)
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))  # (B, 1, 1, L) broadcasts
+    out = scores.softmax(dim=-1) @ value.float()  # (B, KV, H / KV, D)
+    return out.to(query.dtype).reshape(batch, 1, heads, dim), None
+
+
+AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
 
 
 class GenerationCopy:
@@ -34,6 +77,8 @@ class GenerationCopy:
             self.model = copy.deepcopy(policy)
             self._lora_layers = {}
         self.model.to(dtype).eval().requires_grad_(False)
+        if getattr(self.model, "_supports_attention_backend", False):
+            self.model.set_attn_implementation(DECODE_ATTENTION)
         self._targets = dict(self.model.named_modules())
 
     @torch.no_grad()

@@ -1,12 +1,15 @@
 """The generation copy: the policy's weights (LoRA merged) in another dtype, refreshed each round."""
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from tiny_models import tiny_gpt2, tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, length_reward, make_config
+from transformers import GenerationConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from grpo_hf import GRPOTrainer
-from grpo_hf.generation_copy import GenerationCopy
+from grpo_hf import GRPOTrainer, rollout
+from grpo_hf.generation_copy import DECODE_ATTENTION, GenerationCopy, decode_attention
 
 
 def logits(model, ids):
@@ -59,3 +62,35 @@ def test_bf16_training_generates_from_the_copy_and_keeps_the_base_frozen(tmp_pat
     for name, param in trainer.model.get_base_model().named_parameters():
         if "lora_" not in name:
             assert torch.equal(param, base[name.replace(".base_layer", "")]), name
+
+
+def test_decode_attention_equals_sdpa_for_one_query_token():
+    """Grouped queries (9 heads over 3 key/value heads), a padded row, float32 inputs: same as SDPA."""
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    query = torch.randn(4, 9, 1, 16)  # (B, H, 1, D)
+    key, value = torch.randn(4, 3, 11, 16), torch.randn(4, 3, 11, 16)  # (B, KV, L, D)
+    mask = torch.ones(4, 1, 1, 11, dtype=torch.bool)
+    mask[1, ..., :5] = False  # a left-padded row
+    ours, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert ours.shape == theirs.shape == (4, 1, 9, 16)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_generation_copy_decodes_the_same_tokens_as_the_policy(build):
+    """The copy's attention backend changes nothing: same greedy tokens from an fp32 copy."""
+    tokenizer, policy = tiny_tokenizer(), build().eval()
+    copy = GenerationCopy(policy, torch.float32).refresh()
+    assert copy.config._attn_implementation == DECODE_ATTENTION
+    texts = [
+        rollout.render_prompt(tokenizer, [{"role": "user", "content": t}])
+        for t in ("Hi", "A longer question?")
+    ]
+    ids, mask = rollout.tokenize_prompts(tokenizer, texts, None, torch.device("cpu"))
+    config = GenerationConfig(do_sample=False, max_new_tokens=10, pad_token_id=0, eos_token_id=[2])
+    ours = rollout.generate(copy, ids, mask, config).completion_ids
+    theirs = rollout.generate(policy, ids, mask, config).completion_ids
+    assert torch.equal(ours, theirs)
