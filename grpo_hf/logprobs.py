@@ -140,8 +140,8 @@ def completion_logps(
     share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of the last C tokens of input_ids under `model`, and their entropy if asked."""
-    logits = completion_logits(
-        model, input_ids, attention_mask, completion_length, share_prompts
-    )  # (B, C, V)
+    with attention_kernel(input_ids):
+        logits = completion_logits(model, input_ids, attention_mask, completion_length, share_prompts)
+    # logits: (B, C, V)
     targets = input_ids[:, -completion_length:]  # (B, C)
     return token_logps_and_entropy(logits, targets, temperature, with_entropy, entropy_grad)

@@ -188,7 +188,12 @@ def test_math_attention_only_for_short_batches_on_a_cpu(monkeypatch):
 
 def test_either_attention_kernel_gives_the_same_logps(model, monkeypatch):
     ids, mask, width = grouped_batch()
+    kernels = []
+    real = logprobs.sdpa_kernel
+    monkeypatch.setattr(logprobs, "sdpa_kernel", lambda backend: kernels.append(backend) or real(backend))
     math_logps, _ = completion_logps(model, ids, mask, width)
+    assert kernels == [logprobs.SDPBackend.MATH]  # a short batch on a CPU
     monkeypatch.setattr(logprobs, "MATH_ATTENTION_MAX", 0)
     default_logps, _ = completion_logps(model, ids, mask, width)
+    assert kernels == [logprobs.SDPBackend.MATH]  # not asked again: SDPA picks
     torch.testing.assert_close(math_logps, default_logps, rtol=1e-5, atol=1e-5)
