@@ -5,8 +5,10 @@
 
 Each side and precision trains in its own subprocess (`bench/worker.py`), one after the other, so
 timings do not overlap and every peak RSS belongs to one side. The workload is described in the
-worker's docstring. The step time of a side is the median over its steps after the first; each
-side is scored at its fastest precision, and the ratio is TRL's median over ours (the goal is >= 3).
+worker's docstring. The whole sequence runs `--rounds` times, every other round in reverse order
+(ours, TRL, TRL, ours), so that a machine whose speed drifts during the benchmark favours neither
+side. The step time of a side is the median over its steps after the first of each run; each side
+is scored at its fastest precision, and the ratio is TRL's median over ours (the goal is >= 3).
 Everything, with machine information and the commands to rerun, goes to bench/results/latest.json.
 
 TRL is needed only for `--sides trl`: `pip install -e ".[bench]"` (or `make bench`).
@@ -19,6 +21,7 @@ import os
 import platform
 import resource
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads per worker; default torch's."
     )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="Runs per side and precision, alternating the order."
+    )
     parser.add_argument("--timeout", type=float, default=3600, help="Seconds before a worker is stopped.")
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "latest.json"))
     args = parser.parse_args(argv)
@@ -57,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.trl_precisions = _choices(parser, "--trl-precisions", args.trl_precisions, PRECISIONS)
     if args.steps < 2:
         parser.error("--steps must be >= 2: the first step is a warm-up and is not timed.")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1.")
     return args
 
 
@@ -68,9 +76,36 @@ def _choices(parser: argparse.ArgumentParser, flag: str, value: str, allowed: tu
 
 
 def runs(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(side, precision) pairs in the order they run."""
+    """(side, precision) pairs in the order they run: every other round reversed."""
     precisions = {"ours": args.ours_precisions, "trl": args.trl_precisions}
-    return [(side, precision) for side in args.sides for precision in precisions[side]]
+    one_round = [(side, precision) for side in args.sides for precision in precisions[side]]
+    return [pair for r in range(args.rounds) for pair in (one_round if r % 2 == 0 else one_round[::-1])]
+
+
+def merge_rounds(reports: list[dict]) -> dict:
+    """One entry per side and precision from its runs: medians over every timed step of every run."""
+    failed = [r for r in reports if "error" in r]
+    if failed:
+        return failed[0]
+    timed_steps = [s for r in reports for s in r["step_seconds"][1:]]
+    timed_tps = [t for r in reports for t in r["tokens_per_second"][1:]]
+    return {
+        "side": reports[0]["side"],
+        "precision": reports[0]["precision"],
+        "runs": len(reports),
+        "median_step_seconds": statistics.median(timed_steps),
+        "timed_step_seconds": timed_steps,
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in reports),
+        "median_tokens_per_second": statistics.median(timed_tps),
+        "tokens_per_second_method": reports[0]["tokens_per_second_method"],
+        "mean_completion_length": statistics.mean(r["mean_completion_length"] for r in reports),
+        "seconds_per_1k_completion_tokens": statistics.mean(
+            r["seconds_per_1k_completion_tokens"] for r in reports
+        ),
+        "torch_threads": reports[0]["torch_threads"],
+        "other_processes_cpu_share": max(r["other_processes_cpu_share"] or 0.0 for r in reports),
+        "per_run": reports,
+    }
 
 
 def worker_command(args: argparse.Namespace, side: str, precision: str, output: Path) -> list[str]:
@@ -240,20 +275,20 @@ def main() -> None:
     machine = machine_info()
     if "trl" in args.sides and machine["versions"]["trl"] is None:
         sys.exit('TRL is not installed: pip install -e ".[bench]" (or `make bench`), or pass --sides ours.')
-    results, commands = {}, {}
-    for side, precision in runs(args):
+    reports: dict[str, list[dict]] = {}
+    commands = {}
+    for number, (side, precision) in enumerate(runs(args)):
         key = f"{side}_{precision}"
         result_path = output.parent / f"{output.stem}.{key}.json"
         command = worker_command(args, side, precision, result_path)
         commands[key] = shlex.join(command)
-        print(f"[bench] {key}: running {args.steps} steps ...", flush=True)
-        results[key] = run_worker(
-            command, output.parent / f"{output.stem}.{key}.log", result_path, args.timeout
-        )
-        if "error" in results[key]:
-            print(
-                f"[bench] {key} failed: {results[key]['error']}\n  " + "\n  ".join(results[key]["log_tail"])
-            )
+        print(f"[bench] {key} (run {number + 1} of {len(runs(args))}): {args.steps} steps ...", flush=True)
+        log_path = output.parent / f"{output.stem}.{key}.{len(reports.get(key, []))}.log"
+        report = run_worker(command, log_path, result_path, args.timeout)
+        reports.setdefault(key, []).append(report)
+        if "error" in report:
+            print(f"[bench] {key} failed: {report['error']}\n  " + "\n  ".join(report["log_tail"]))
+    results = {key: merge_rounds(runs_of_key) for key, runs_of_key in reports.items()}
     report = {
         "machine": machine,
         "load_average_at_end": os.getloadavg(),
@@ -271,6 +306,7 @@ def main() -> None:
             "seed": args.seed,
             "steps": args.steps,
             "timed_steps": args.steps - 1,
+            "rounds": args.rounds,
             "threads": args.threads,
         },
         "runs": results,

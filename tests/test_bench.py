@@ -1,6 +1,7 @@
 """Smoke test of the benchmark script: bench/run.py, our side only (no TRL needed), tiny settings."""
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ def test_bench_runs_our_side_and_writes_every_field(tmp_path):
     command = [
         sys.executable, str(ROOT / "bench" / "run.py"), "--sides", "ours", "--steps", "2",
         "--num-generations", "2", "--prompts-per-step", "1", "--max-completion-length", "4",
-        "--output", str(output),
+        "--rounds", "2", "--output", str(output),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -27,10 +28,13 @@ def test_bench_runs_our_side_and_writes_every_field(tmp_path):
     assert {"torch", "transformers", "trl"} <= set(report["machine"]["versions"])
     assert set(report["runs"]) == {"ours_bf16"}
     run = report["runs"]["ours_bf16"]
-    assert len(run["step_seconds"]) == 2
-    assert run["median_step_seconds"] == run["step_seconds"][1]  # the first step is not timed
+    assert run["runs"] == 2 and len(run["per_run"]) == 2
+    # The first step of each run is not timed: one timed step per run, and their median.
+    assert run["timed_step_seconds"] == [r["step_seconds"][1] for r in run["per_run"]]
+    assert run["median_step_seconds"] == statistics.median(run["timed_step_seconds"])
+    assert run["peak_rss_mb"] == max(r["peak_rss_mb"] for r in run["per_run"])
     assert run["peak_rss_mb"] > 100  # a 135M-parameter model is loaded
-    assert len(run["tokens_per_second"]) == 2 and run["median_tokens_per_second"] > 0
+    assert run["median_tokens_per_second"] > 0
     assert 1 <= run["mean_completion_length"] <= 4
     assert run["torch_threads"] >= 1
     assert run["seconds_per_1k_completion_tokens"] > 0
