@@ -1,0 +1,116 @@
+"""Trainer features beyond the core loop: reward models, a user-given reference, evaluation,
+completion tables, masking of truncated completions."""
+
+import pytest
+import torch
+from tiny_models import tiny_llama, tiny_tokenizer
+from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
+from transformers import LlamaConfig, LlamaForSequenceClassification
+
+from grpo_hf.logprobs import completion_logps
+from grpo_hf.scoring import score_with_model
+
+
+def first_round(trainer):
+    """The micro-batch of a first training round over 2 prompts x G = 4 completions."""
+    trainer.model.train()
+    return trainer._prepare_inputs([dict(row) for row in chat_dataset().select([0, 0, 0, 0, 1, 1, 1, 1])])
+
+
+def tiny_reward_model() -> LlamaForSequenceClassification:
+    torch.manual_seed(5)
+    config = LlamaConfig(
+        vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_labels=1, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForSequenceClassification(config).eval()
+
+
+def test_a_reward_model_scores_with_its_first_logit_and_is_logged_by_name(tmp_path):
+    reward_model = tiny_reward_model()
+    reward_model.name_or_path = "my-org/tiny-rm"
+    trainer = FixedCompletionsTrainer(
+        model=tiny_llama(),
+        reward_funcs=[length_reward, reward_model],
+        reward_processing_classes=[None, tiny_tokenizer()],
+        args=make_config(tmp_path, reward_weights=[0.0, 1.0]),
+        train_dataset=chat_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    batch = first_round(trainer)
+    logged = trainer._metrics["train"]
+    # The rewards are the model's own scores of prompt + completion: recompute them from the batch.
+    width = batch["completion_mask"].shape[1]
+    ids = batch["input_ids"][:, -width:].masked_fill(batch["completion_mask"] == 0, 0)  # (8, C)
+    texts = tiny_tokenizer().batch_decode(ids, skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": text}] for text in texts]
+    prompts = [row["prompt"] for row in chat_dataset().select([0, 0, 0, 0, 1, 1, 1, 1])]
+    expected = score_with_model(trainer.reward_funcs[1], prompts, completions)
+    assert logged["reward/tiny-rm"] == [pytest.approx(sum(expected) / len(expected), abs=1e-6)]
+    assert logged["reward"] == logged["reward/tiny-rm"]  # weight 0 on length_reward
+    assert not any(p.requires_grad for p in trainer.reward_funcs[1].model.parameters())
+
+
+def test_a_user_given_reference_is_used_as_is_and_stays_frozen(tmp_path):
+    reference = tiny_llama(seed=7)  # a different model than the policy, as in seed 003
+    before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    trainer = FixedCompletionsTrainer(
+        model=tiny_llama(),
+        reward_funcs=length_reward,
+        ref_model=reference,
+        args=make_config(tmp_path),
+        train_dataset=chat_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    batch = first_round(trainer)
+    with torch.no_grad():
+        want, _ = completion_logps(
+            reference, batch["input_ids"], batch["attention_mask"], batch["ref_logps"].shape[1]
+        )
+    torch.testing.assert_close(batch["ref_logps"], want, rtol=1e-5, atol=1e-5)
+    trainer.train()
+    for name, param in reference.named_parameters():
+        assert torch.equal(before[name], param), f"reference {name} moved"
+
+
+def test_evaluate_reports_loss_and_reward_metrics(tmp_path):
+    trainer = FixedCompletionsTrainer(
+        model=tiny_llama(),
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, per_device_eval_batch_size=8),
+        train_dataset=chat_dataset(),
+        eval_dataset=chat_dataset(4),
+        processing_class=tiny_tokenizer(),
+    )
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics
+    # FixedCompletionsTrainer: rows of a group get 2..5 pattern tokens + EOS, so the mean length is 4.5.
+    assert metrics["eval_completions/mean_length"] == 4.5
+    assert metrics["eval_reward"] > 0
+
+
+def test_log_completions_prints_a_table_with_rewards(tmp_path, capsys):
+    trainer = FixedCompletionsTrainer(
+        model=tiny_llama(),
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, max_steps=1, log_completions=True, num_completions_to_print=3),
+        train_dataset=chat_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    trainer.train()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  [+")]
+    assert len(lines) == 3
+    assert all("What is" in line and "->" in line for line in lines)
+
+
+def test_mask_truncated_completions_drops_rows_without_eos(tmp_path):
+    trainer = FixedCompletionsTrainer(
+        model=tiny_llama(),
+        reward_funcs=length_reward,
+        # Rows get 2..5 tokens + EOS; with 4 new tokens at most, rows of 4 and 5 tokens are cut.
+        args=make_config(tmp_path, max_completion_length=4, mask_truncated_completions=True),
+        train_dataset=chat_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    mask = first_round(trainer)["completion_mask"]
+    assert mask.sum(dim=1).tolist() == [3, 4, 0, 0] * 2  # 2 tokens + EOS, 3 + EOS, then truncated rows
