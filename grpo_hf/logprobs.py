@@ -10,6 +10,7 @@
 - On a CPU, short batches use SDPA's math kernel (`attention_kernel`): the fused flash kernel
   costs ~9 ms per layer in backward at 16 rows of 77 tokens, the math kernel a fraction of that;
   long batches keep the flash kernel, whose memory does not grow with length squared.
+Under gradient checkpointing neither applies (see `completion_logps`).
 Logits are divided by the sampling temperature, so log-probs are those of the distribution the
 completions were sampled from.
 """
@@ -137,11 +138,18 @@ def completion_logps(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
-    share_prompts: bool = True,
+    gradient_checkpointing: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (B, C) of the last C tokens of input_ids under `model`, and their entropy if asked."""
-    with attention_kernel(input_ids):
-        logits = completion_logits(model, input_ids, attention_mask, completion_length, share_prompts)
-    # logits: (B, C, V)
+    """Log-probs (B, C) of the last C tokens of input_ids under `model`, and their entropy if asked.
+
+    `gradient_checkpointing=True` (the model recomputes activations in backward) runs every row
+    whole with SDPA's default kernel: checkpointing turns the KV cache off, and the recompute runs
+    outside any kernel choice made here, so it must not depend on one.
+    """
+    kernel = contextlib.nullcontext() if gradient_checkpointing else attention_kernel(input_ids)
+    with kernel:
+        logits = completion_logits(  # (B, C, V)
+            model, input_ids, attention_mask, completion_length, share_prompts=not gradient_checkpointing
+        )
     targets = input_ids[:, -completion_length:]  # (B, C)
     return token_logps_and_entropy(logits, targets, temperature, with_entropy, entropy_grad)

@@ -276,8 +276,7 @@ class GRPOTrainer(Trainer):
             self.args.temperature,
             with_entropy=with_entropy,
             entropy_grad=with_entropy and self.args.entropy_coef > 0,
-            # Gradient checkpointing switches the KV cache off in training mode, so no prompt sharing.
-            share_prompts=not self.args.gradient_checkpointing,
+            gradient_checkpointing=self.args.gradient_checkpointing,
         )
 
     def needs_old_logps(self) -> bool:

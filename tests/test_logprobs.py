@@ -145,7 +145,7 @@ def test_shared_prompts_give_the_same_logps_and_gradients(build):
     results = []
     for share in (False, True):
         model = build().eval()  # GPT-2's dropout would make the two passes differ
-        logps, _ = completion_logps(model, ids, mask, width, temperature=0.9, share_prompts=share)  # (6, 4)
+        logps, _ = completion_logps(model, ids, mask, width, 0.9, gradient_checkpointing=not share)  # (6, 4)
         (logps * completion_mask).sum().backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         results.append((logps.detach() * completion_mask, grads))
@@ -171,7 +171,7 @@ def test_prefill_runs_each_distinct_prompt_once(model):
 def test_completion_of_one_token(model):
     ids, mask, _ = grouped_batch()
     shared, _ = completion_logps(model, ids[:, :6], mask[:, :6], 1)  # (6, 1)
-    whole, _ = completion_logps(model, ids[:, :6], mask[:, :6], 1, share_prompts=False)
+    whole, _ = completion_logps(model, ids[:, :6], mask[:, :6], 1, gradient_checkpointing=True)
     torch.testing.assert_close(shared, whole, rtol=1e-5, atol=1e-5)
 
 

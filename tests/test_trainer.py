@@ -73,13 +73,13 @@ def test_lora_moves_only_adapters_and_base_is_the_reference(tmp_path, build, tar
             assert torch.equal(before[base_name], param), f"base parameter {name} changed"
     ids = torch.randint(3, 250, (2, 12))
     mask = torch.ones_like(ids)
-    for share_prompts in (False, True):
+    for whole_rows in (True, False):  # whole rows: the gradient checkpointing path, no shared prompts
         with reference_context(policy, None) as ref, torch.no_grad():
-            ref_logps, _ = completion_logps(ref, ids, mask, 6, share_prompts=share_prompts)
+            ref_logps, _ = completion_logps(ref, ids, mask, 6, gradient_checkpointing=whole_rows)
         with torch.no_grad():
-            policy_logps, _ = completion_logps(policy, ids, mask, 6, share_prompts=share_prompts)
-            original_logps, _ = completion_logps(original, ids, mask, 6, share_prompts=share_prompts)
-        if share_prompts:
+            policy_logps, _ = completion_logps(policy, ids, mask, 6, gradient_checkpointing=whole_rows)
+            original_logps, _ = completion_logps(original, ids, mask, 6, gradient_checkpointing=whole_rows)
+        if not whole_rows:
             # The same weights and operations; only the LM head's matmul on a strided slice may round
             # its last bit differently between two allocations (seen: 5e-7 on logps near -5.6).
             torch.testing.assert_close(ref_logps, original_logps, rtol=0, atol=2e-6)

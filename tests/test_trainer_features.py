@@ -3,9 +3,10 @@ completion tables, masking of truncated completions."""
 
 import pytest
 import torch
+from peft import LoraConfig
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from transformers import LlamaConfig, LlamaForSequenceClassification, TrainerCallback
 
 from grpo_hf.logprobs import completion_logps
 from grpo_hf.scoring import score_with_model
@@ -114,3 +115,38 @@ def test_mask_truncated_completions_drops_rows_without_eos(tmp_path):
     )
     mask = first_round(trainer)["completion_mask"]
     assert mask.sum(dim=1).tolist() == [3, 4, 0, 0] * 2  # 2 tokens + EOS, 3 + EOS, then truncated rows
+
+
+class GradCapture(TrainerCallback):
+    def __init__(self):
+        self.grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gradient_checkpointing_gives_the_same_gradient(tmp_path, lora):
+    """Checkpointed layers (and, with LoRA, inputs that require grad) change memory, not the gradient;
+    the reference pass (beta > 0) runs under the same setting."""
+    grads = []
+    for checkpointing in (False, True):
+        capture = GradCapture()
+        trainer = FixedCompletionsTrainer(
+            model=tiny_llama(),
+            reward_funcs=length_reward,
+            args=make_config(
+                tmp_path / str(checkpointing), max_steps=1, gradient_checkpointing=checkpointing
+            ),
+            train_dataset=chat_dataset(),
+            processing_class=tiny_tokenizer(),
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None,
+            callbacks=[capture],
+        )
+        trainer.train()
+        grads.append(capture.grads)
+    plain, checkpointed = grads
+    assert plain.keys() == checkpointed.keys() and len(plain) > 0
+    assert all("lora_" in name for name in plain) if lora else len(plain) > 20
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
