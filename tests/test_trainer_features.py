@@ -150,3 +150,21 @@ def test_gradient_checkpointing_gives_the_same_gradient(tmp_path, lora):
     assert all("lora_" in name for name in plain) if lora else len(plain) > 20
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_metrics_reach_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = FixedCompletionsTrainer(
+        model=tiny_llama(),
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, report_to=["tensorboard"]),  # events under output_dir/runs/
+        train_dataset=chat_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    trainer.train()
+    events = EventAccumulator(str(next((tmp_path / "runs").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/reward", "train/kl", "train/completions/mean_length", "train/reward/length_reward"} <= tags
+    assert len(events.Scalars("train/reward")) == 2  # one point per optimizer step
