@@ -26,6 +26,12 @@ def is_peft_model(model: nn.Module) -> bool:
 
 def frozen_copy(model: nn.Module) -> nn.Module:
     """A deep copy of `model` in eval mode with no parameter requiring grad."""
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 partitions: nothing to copy
+        raise ValueError(
+            "The policy was partitioned by DeepSpeed ZeRO-3 as it loaded, and a partitioned model cannot be "
+            "copied into a reference: pass ref_model= (a model id or path), pass the policy by id or path "
+            "(the reference is then loaded the same way), or use peft_config (the base model is the reference)."
+        )
     ref = copy.deepcopy(model)
     ref.eval()
     ref.requires_grad_(False)

@@ -50,7 +50,12 @@ from grpo_hf.loss import adaptive_beta, grpo_loss
 from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
 from grpo_hf.reference import build_reference, mix_into_reference, reference_context
 from grpo_hf.scoring import RewardFunc, RewardModel, load_reward_model, reward_name, score_completions
-from grpo_hf.sharding import prepare_reference, reshard, unsharded_for_generation
+from grpo_hf.sharding import (
+    parameters_for_mixing,
+    prepare_reference,
+    unsharded_for_generation,
+    zero3_partitioned,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +130,20 @@ class GRPOTrainer(Trainer):
             **kwargs,
         )
         self.loss_is_scaled_for_ga = False  # the Trainer divides our loss by the accumulation steps
+        partitioned = zero3_partitioned(self.model)
+        if (
+            ref_model is None
+            and args.beta > 0
+            and peft_config is None
+            and partitioned
+            and self.model.name_or_path
+        ):
+            # ZeRO-3 partitioned the policy as it loaded (zero.Init): load the reference the same way.
+            logger.info(
+                "ZeRO-3: loading the reference from %s instead of copying the policy.",
+                self.model.name_or_path,
+            )
+            ref_model = self.model.name_or_path
         if isinstance(ref_model, str):
             ref_model = load_model(ref_model)
         self.ref_model = build_reference(self.model, args.beta, ref_model)
@@ -375,8 +394,8 @@ class GRPOTrainer(Trainer):
         if args.sync_ref_model and self.state.global_step % args.ref_model_sync_steps == 0:
             ref = self.accelerator.unwrap_model(self.ref_model)
             policy = self.accelerator.unwrap_model(self.model)
-            reshard(ref, policy)  # mix shard into shard under FSDP2
-            mix_into_reference(ref, policy, args.ref_model_mixup_alpha)
+            with parameters_for_mixing(self.accelerator, ref, policy):
+                mix_into_reference(ref, policy, args.ref_model_mixup_alpha)
 
     # ---- Metrics ------------------------------------------------------------------------------
 

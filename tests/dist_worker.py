@@ -136,7 +136,10 @@ def force_fsdp_on_cpu() -> None:
 
 
 def is_sharded(model: torch.nn.Module | None) -> bool:
-    return model is not None and any(isinstance(p, DTensor) for p in model.parameters())
+    """Parameters are FSDP2 DTensor shards or ZeRO-3 partitions (which carry a ds_id)."""
+    return model is not None and any(
+        isinstance(p, DTensor) or hasattr(p, "ds_id") for p in model.parameters()
+    )
 
 
 def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
@@ -171,8 +174,9 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
     )
     initial = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
-    # get_state_dict gathers whole tensors under FSDP: a collective, every process calls it.
-    final = trainer.accelerator.get_state_dict(trainer.model)
+    # get_state_dict gathers whole tensors under FSDP and ZeRO-3: a collective, every process calls it.
+    # Under DeepSpeed it takes the engine, which the Trainer keeps as model_wrapped.
+    final = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     info = {
         "distributed_type": str(trainer.accelerator.distributed_type),
         "num_processes": trainer.accelerator.num_processes,
@@ -202,6 +206,9 @@ def main(argv: list[str]) -> None:
         run(name, SCENARIOS[name], output, world_size)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"[dist_worker] {name}: {time.perf_counter() - start:.1f} s on {world_size} process(es)")
+    # Left to interpreter exit, the process group's threads are destroyed while still running, and a
+    # process can abort (SIGABRT, "terminate called without an active exception") after all is done.
+    PartialState().destroy_process_group()
 
 
 if __name__ == "__main__":

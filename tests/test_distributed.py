@@ -1,8 +1,9 @@
-"""Same result on 1 or 2 processes: DDP and FSDP2 over gloo on the CPU, against a single process.
+"""Same result on 1 or 2 processes: DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3 over gloo on the CPU,
+against a single process.
 
 Each backend is one launch of tests/dist_worker.py running every scenario (imports cost more than
 the training): a plain single process with the whole global batch, then `accelerate launch` with
-recipes/accelerate/cpu_ddp2.yaml and cpu_fsdp2.yaml, 2 processes with half of it each. Fixed
+recipes/accelerate/cpu_{ddp2,fsdp2,zero2,zero3}.yaml, 2 processes with half of it each. Fixed
 completions make both sides train on the same tokens, so advantages, losses, parameter updates and
 the logged global metrics must agree within float tolerance.
 """
@@ -10,7 +11,6 @@ the logged global metrics must agree within float tolerance.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +22,7 @@ from accelerate.commands.launch import _validate_launch_command, launch_command_
 from accelerate.utils import DistributedType
 from dist_worker import SCENARIOS
 from safetensors.torch import load_file
+from trainer_helpers import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"
 CONFIGS = ROOT / "recipes" / "accelerate"
 LAUNCH_TIMEOUT = 300  # seconds; one launch takes ~20 s on 2 CPU cores
-BACKENDS = {"ddp": "cpu_ddp2.yaml", "fsdp2": "cpu_fsdp2.yaml"}
+BACKENDS = {
+    "ddp": "cpu_ddp2.yaml",
+    "fsdp2": "cpu_fsdp2.yaml",
+    "zero2": "cpu_zero2.yaml",
+    "zero3": "cpu_zero3.yaml",
+}
 COMPARED = [
     "g4_dapo",
     "g4_grpo",
@@ -58,12 +64,6 @@ GLOBAL_METRICS = [
 TOKEN_MEAN_METRICS = ["kl", "entropy", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(output: Path, scenarios: list[str], config: str | None) -> None:
     """Run the worker on one process (config None) or under `accelerate launch --config_file config`."""
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -84,16 +84,20 @@ def launch(output: Path, scenarios: list[str], config: str | None) -> None:
         start_new_session=True,
     )
     try:
-        _, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
+        stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
+        failure = f"exit {process.returncode}" if process.returncode else None
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        _, stderr = process.communicate()
-        pytest.fail(
-            f"timed out after {LAUNCH_TIMEOUT} s: {' '.join(command)}\n--- stderr ---\n{stderr[-8000:]}"
-        )
-    if process.returncode != 0:
-        pytest.fail(f"exit {process.returncode}: {' '.join(command)}\n--- stderr ---\n{stderr[-8000:]}")
+        stdout, stderr = process.communicate()
+        failure = f"timed out after {LAUNCH_TIMEOUT} s"
+    (output / "stdout.txt").write_text(stdout)
     (output / "stderr.txt").write_text(stderr)
+    if failure:
+        done = [line for line in stdout.splitlines() if line.startswith("[dist_worker]")]
+        pytest.fail(
+            f"{failure}: {' '.join(command)}\nscenarios finished: {done}\n"
+            f"--- stderr (whole in {output / 'stderr.txt'}) ---\n{stderr[-8000:]}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +118,20 @@ def ddp(tmp_path_factory) -> Path:
 def fsdp2(tmp_path_factory) -> Path:
     output = tmp_path_factory.mktemp("fsdp2")
     launch(output, COMPARED + SAMPLED, BACKENDS["fsdp2"])
+    return output
+
+
+@pytest.fixture(scope="module")
+def zero2(tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("zero2")
+    launch(output, COMPARED + SAMPLED, BACKENDS["zero2"])
+    return output
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("zero3")
+    launch(output, COMPARED + SAMPLED, BACKENDS["zero3"])
     return output
 
 
@@ -194,11 +212,25 @@ def test_fsdp2_really_shards(fsdp2, ddp):
     assert plain["distributed_type"] == str(DistributedType.MULTI_CPU) and not plain["policy_sharded"]
 
 
+def test_zero3_really_shards(zero3, zero2):
+    """ZeRO-3 partitions the policy and the frozen reference; ZeRO-2 shards optimizer state only."""
+    full = json.loads((zero3 / "g8_dapo" / "run_info.json").read_text())
+    assert full == {
+        "distributed_type": str(DistributedType.DEEPSPEED),
+        "num_processes": 2,
+        "policy_sharded": True,
+        "reference_sharded": True,  # a DeepSpeed inference engine, partitioned like the policy
+    }
+    stage2 = json.loads((zero2 / "g8_dapo" / "run_info.json").read_text())
+    assert stage2["distributed_type"] == str(DistributedType.DEEPSPEED) and not stage2["policy_sharded"]
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "zero2", "zero3"])
 @pytest.mark.parametrize("scenario", SAMPLED)
-def test_real_sampling_fsdp2_matches_ddp(ddp, fsdp2, scenario):
-    """The real decode loop, with processes stopping at different steps under uneven_stop: FSDP2
-    must neither deadlock nor mismatch collectives, and trains exactly as DDP does."""
-    plain, sharded = load_run(ddp / scenario), load_run(fsdp2 / scenario)
+def test_real_sampling_sharded_matches_ddp(request, ddp, backend, scenario):
+    """The real decode loop, with processes stopping at different steps under uneven_stop: sharded
+    backends must neither deadlock nor mismatch collectives, and train exactly as DDP does."""
+    plain, sharded = load_run(ddp / scenario), load_run(request.getfixturevalue(backend) / scenario)
     lengths = [len(c) for c in sharded["first_round"]["completions"]]
     if scenario.endswith("uneven_stop"):
         assert lengths[:4] == [1, 1, 1, 1] and max(lengths[4:]) > 1  # main process stopped first

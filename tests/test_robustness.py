@@ -206,3 +206,18 @@ def test_checkpoint_inside_a_round_holds_its_micro_batches(tmp_path):
     resumed = build(tmp_path, max_steps=2, num_iterations=2)
     with pytest.raises(ValueError, match="saved inside a generation round but has no grpo_round_0.pt"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+
+
+def test_a_policy_partitioned_at_load_by_zero3_cannot_be_copied_into_a_reference(tmp_path):
+    model = tiny_llama()
+    for param in model.parameters():
+        param.ds_id = 0  # what DeepSpeed's zero.Init leaves on every parameter it partitions
+    model.name_or_path = ""  # built from a config: nothing to load a reference from
+    with pytest.raises(ValueError, match="partitioned by DeepSpeed ZeRO-3.*ref_model=.*peft_config"):
+        GRPOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            args=make_config(tmp_path),
+            train_dataset=chat_dataset(),
+            processing_class=tiny_tokenizer(),
+        )

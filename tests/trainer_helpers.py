@@ -1,10 +1,19 @@
 """Shared pieces for trainer tests: a prompt dataset, rewards, and a trainer with fixed completions."""
 
+import socket
+
 import torch
 from datasets import Dataset
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.rollout import Rollout, completion_mask_after_eos
+
+
+def free_port() -> int:
+    """A TCP port free right now, for a launch's main_process_port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def chat_dataset(n: int = 8) -> Dataset:
