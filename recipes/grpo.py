@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import yaml
 from accelerate import PartialState
+from accelerate.utils import DistributedType
 from peft import LoraConfig
 from transformers import HfArgumentParser
 
@@ -23,6 +24,7 @@ from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.evaluation import greedy_accuracy
 from grpo_hf.models import DEFAULT_MODEL, load_model, load_tokenizer
 from grpo_hf.plotting import plot_training
+from grpo_hf.sharding import unsharded_for_generation
 from grpo_hf.tasks import TASKS
 
 
@@ -77,10 +79,22 @@ def evaluate(model, tokenizer, dataset, reward, script: ScriptArguments) -> dict
 
 
 def main() -> None:
-    script, model_args, args = parse_args()
+    train_and_report(*parse_args())
+    # Left to interpreter exit, the process group's threads can abort a finished run (SIGABRT).
+    PartialState().destroy_process_group()
+
+
+def train_and_report(script: ScriptArguments, model_args: ModelArguments, args: GRPOConfig) -> None:
+    """Evaluate, train, save; then, on the main process, evaluate again, plot and report."""
     if script.task not in TASKS:
         raise ValueError(f"task={script.task!r} is not one of {sorted(TASKS)}.")
     task = TASKS[script.task]
+    state = PartialState()
+    if script.merge_adapter and state.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ValueError(
+            "merge_adapter needs the whole model in one process; under FSDP or DeepSpeed, train without it and "
+            "merge the saved adapter afterwards (PeftModel.from_pretrained(base, output_dir).merge_and_unload())."
+        )
     data = task.build(num_train=script.num_train, num_test=script.num_test, seed=args.seed)
     tokenizer = load_tokenizer(model_args.model_name_or_path)
     model = load_model(model_args.model_name_or_path)
@@ -93,10 +107,10 @@ def main() -> None:
             target_modules=model_args.lora_target_modules,
             task_type="CAUSAL_LM",
         )
-    state = PartialState()
-    before = (
-        evaluate(model, tokenizer, data["test"], task.accuracy, script) if state.is_main_process else None
-    )
+    with unsharded_for_generation(model):  # ZeRO-3 partitions models as they load
+        before = (
+            evaluate(model, tokenizer, data["test"], task.accuracy, script) if state.is_main_process else None
+        )
 
     trainer = GRPOTrainer(
         model=model,
@@ -110,11 +124,17 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     train_seconds = time.perf_counter() - start
     trainer.save_model(args.output_dir)
-    if not state.is_main_process:
-        return
     policy = trainer.accelerator.unwrap_model(trainer.model)
     policy.eval()
-    after = evaluate(policy, tokenizer, data["test"], task.accuracy, script)
+    # Whole weights on every process, so that the main process can decode alone under FSDP / ZeRO-3.
+    with unsharded_for_generation(policy, trainer.accelerator):
+        after = (
+            evaluate(policy, tokenizer, data["test"], task.accuracy, script)
+            if state.is_main_process
+            else None
+        )
+    if not state.is_main_process:
+        return
     if model_args.use_peft and script.merge_adapter:
         merged_dir = os.path.join(args.output_dir, "merged")
         policy.merge_and_unload().save_pretrained(merged_dir)

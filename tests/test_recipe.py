@@ -7,14 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import tiny_llama, tiny_tokenizer
+from trainer_helpers import free_port
 from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_recipe(output_dir: Path, *flags: str) -> subprocess.CompletedProcess:
+def run_recipe(output_dir: Path, *flags: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     command = [
-        sys.executable, str(ROOT / "recipes" / "grpo.py"),
+        sys.executable, *launcher, str(ROOT / "recipes" / "grpo.py"),
         "--config", str(ROOT / "recipes" / "configs" / "smollm2_lora_arithmetic.yaml"),
         "--output_dir", str(output_dir), "--report_to", "none", "--max_steps", "2", "--save_steps", "1",
         "--num_train", "16", "--num_test", "4", "--per_device_train_batch_size", "4", "--num_generations", "2",
@@ -51,3 +53,24 @@ def test_recipe_rejects_an_unknown_task_before_loading_the_model(tmp_path):
     assert done.returncode != 0
     assert "task='chess' is not one of ['arithmetic', 'countdown']" in done.stderr
     assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_recipe_full_finetuning_on_two_zero3_processes(tmp_path):
+    """Sharded policy and reference, generation and the after-training evaluation on the main
+    process alone: the whole recipe finishes under DeepSpeed ZeRO-3 (a tiny model, 2 CPU processes)."""
+    model_dir = tmp_path / "tiny-llama"
+    tiny_llama().save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    launcher = (
+        "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "accelerate" / "cpu_zero3.yaml"),
+        "--main_process_port", str(free_port()), "--num_cpu_threads_per_process", "1",
+    )  # fmt: skip
+    done = run_recipe(
+        tmp_path / "out", "--model_name_or_path", str(model_dir), "--use_peft", "false", "--bf16", "false",
+        "--per_device_train_batch_size", "2", launcher=launcher,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["steps"] == 2
+    assert (tmp_path / "out" / "model.safetensors").is_file()  # gathered from both processes
