@@ -20,6 +20,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from grpo_hf.decoding import decoder_for
 from grpo_hf.logprobs import position_ids_from_mask, prefill_prompts
 
 logger = logging.getLogger(__name__)
@@ -225,8 +226,9 @@ def _decode(
         config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id],
         device=prompt_ids.device,
     )
-    sequence, attention = prompt_ids, prompt_mask
-    next_position = position_ids_from_mask(prompt_mask)[:, -1:] + 1  # (B, 1)
+    first_position = position_ids_from_mask(prompt_mask)[:, -1:] + 1  # (B, 1)
+    decoder = decoder_for(model, cache, prompt_mask, first_position, config.max_new_tokens)
+    sequence = prompt_ids
     done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
     new_tokens = []
     for step in range(config.max_new_tokens):
@@ -241,14 +243,5 @@ def _decode(
         if done.all() or step + 1 == config.max_new_tokens:
             break
         sequence = torch.cat([sequence, token.unsqueeze(1)], dim=1)  # (B, P + t)
-        attention = torch.cat([attention, torch.ones_like(token).unsqueeze(1)], dim=1)  # (B, P + t)
-        out = model(
-            input_ids=token.unsqueeze(1),
-            attention_mask=attention,
-            position_ids=next_position,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        logits = out.logits[:, -1].float()  # (B, V)
-        next_position = next_position + 1
+        logits = decoder(token)  # (B, V)
     return torch.stack(new_tokens, dim=1)  # (B, C)

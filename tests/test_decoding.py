@@ -1,0 +1,117 @@
+"""The Llama decoding step against transformers' own forward, step by step."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from tiny_models import tiny_gpt2, tiny_llama
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from grpo_hf.decoding import LlamaDecoder, TransformersDecoder, decoder_for, is_plain_llama, join_projections
+from grpo_hf.logprobs import position_ids_from_mask, prefill_prompts
+
+
+def llama_with_rope_scaling() -> LlamaForCausalLM:
+    """Grouped queries (6 heads over 2), an explicit head_dim, and Llama-3 RoPE scaling.
+
+    Weights drawn 10x wider than usual, so that a small slip anywhere moves the logits visibly.
+    """
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=259,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+    return LlamaForCausalLM(config)
+
+
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Four left-padded rows: two copies of one prompt, a shorter one, a one-token one."""
+    ids = torch.tensor([[0, 0, 5, 6, 7], [0, 0, 5, 6, 7], [0, 9, 8, 7, 6], [0, 0, 0, 0, 4]])
+    return ids, (ids != 0).long()
+
+
+def decoders(model, ids, mask, steps):
+    first = position_ids_from_mask(mask)[:, -1:] + 1  # (B, 1)
+    logits_a, cache_a = prefill_prompts(model, ids, mask)
+    logits_b, cache_b = prefill_prompts(model, ids, mask)
+    assert torch.equal(logits_a, logits_b)
+    return LlamaDecoder(model, cache_a, mask, first, steps), TransformersDecoder(model, cache_b, mask, first)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, llama_with_rope_scaling], ids=["llama", "llama3-rope-gqa"])
+@torch.no_grad()
+def test_llama_decoder_gives_the_models_logits_at_every_step(build):
+    model = build().eval()
+    ids, mask = prompts()
+    ours, theirs = decoders(model, ids, mask, steps=12)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(11):
+        token = torch.randint(3, 259, (4,), generator=generator)
+        torch.testing.assert_close(ours(token), theirs(token), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_llama_decoder_in_bf16_rounds_where_transformers_does():
+    """bf16: every step's largest logit gap to transformers' forward stays within a few bf16 ulps.
+
+    The two differ in where the attention rounds (float32 matmuls here, SDPA's bf16 kernel there).
+    """
+    model = llama_with_rope_scaling().to(torch.bfloat16).eval()
+    ids, mask = prompts()
+    ours, theirs = decoders(model, ids, mask, steps=24)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(23):
+        token = torch.randint(3, 259, (4,), generator=generator)
+        expected = theirs(token)
+        ulp = 2.0 ** (torch.floor(torch.log2(expected.abs().max())) - 7)  # bf16 spacing at the largest logit
+        gap = (ours(token) - expected).abs().max()
+        assert gap <= 8 * ulp  # measured: 1.4 to 4 ulps over these 23 steps
+
+
+@torch.no_grad()
+def test_join_projections_stores_views_and_changes_no_output():
+    model = tiny_llama().eval()
+    ids, mask = prompts()
+    before = model(input_ids=ids, attention_mask=mask).logits
+    join_projections(model)
+    attention = model.model.layers[0].self_attn
+    assert (
+        attention.k_proj.weight.data_ptr()
+        == attention.q_proj.weight.data_ptr() + attention.q_proj.weight.nbytes
+    )
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, before, rtol=0, atol=0)
+    first = position_ids_from_mask(mask)[:, -1:] + 1
+    decoder = LlamaDecoder(model, prefill_prompts(model, ids, mask)[1], mask, first, 2)
+    qkv = decoder.layers[0][1]  # joined without a copy
+    assert qkv.data_ptr() == attention.q_proj.weight.data_ptr() and qkv.shape == (32 + 2 * 16, 32)
+
+
+def test_decoder_for_uses_the_llama_step_only_where_it_reproduces_the_model():
+    ids, mask = prompts()
+    first = position_ids_from_mask(mask)[:, -1:] + 1
+    lora = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"]))  # adapters not merged
+    biased = tiny_llama()
+    biased.config.attention_bias = True
+    for model, expected in [
+        (tiny_llama(), LlamaDecoder),
+        (tiny_gpt2(), TransformersDecoder),
+        (lora, TransformersDecoder),
+    ]:
+        with torch.no_grad():
+            cache = prefill_prompts(model, ids, mask)[1]
+        assert isinstance(decoder_for(model, cache, mask, first, 3), expected)
+    assert is_plain_llama(tiny_llama()) and not is_plain_llama(biased)
