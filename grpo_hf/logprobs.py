@@ -119,7 +119,7 @@ def token_logps_and_entropy(
     """
     logps, entropies = [], []
     for row_logits, row_targets in zip(logits, targets, strict=True):
-        scaled = row_logits.float() / temperature  # (C, V)
+        scaled = row_logits.float() if temperature == 1.0 else row_logits.float() / temperature  # (C, V)
         log_norm = torch.logsumexp(scaled, dim=-1)  # (C,)
         logps.append(scaled.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1) - log_norm)
         if with_entropy:
