@@ -61,9 +61,14 @@ def is_plain_llama(model: nn.Module) -> bool:
 def _joined(weights: list[torch.Tensor]) -> torch.Tensor:
     """The weights stacked by rows: a view if they already lie one after another in memory."""
     first = weights[0]
-    end = first.data_ptr()
+    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
     for weight in weights:
-        if not weight.is_contiguous() or weight.data_ptr() != end or weight.dtype != first.dtype:
+        if (
+            weight.untyped_storage().data_ptr() != storage  # side by side by chance is not enough
+            or not weight.is_contiguous()
+            or weight.data_ptr() != end
+            or weight.dtype != first.dtype
+        ):
             return torch.cat(weights)
         end += weight.numel() * weight.element_size()
     rows = sum(weight.shape[0] for weight in weights)
