@@ -49,6 +49,26 @@ def load_reward_model(model: str | PreTrainedModel, tokenizer: PreTrainedTokeniz
     )
 
 
+def reward_functions(
+    reward_funcs: RewardFunc | str | PreTrainedModel | list,
+    tokenizers: list[PreTrainedTokenizerBase | None] | None,
+    reward_weights: list[float] | None,
+) -> list[RewardFunc | RewardModel]:
+    """The reward callables and models (ids and models loaded), checked against `reward_weights`."""
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    if not funcs:
+        raise ValueError("reward_funcs is empty; pass at least one reward function or reward model.")
+    if reward_weights is not None and len(reward_weights) != len(funcs):
+        raise ValueError(
+            f"reward_weights has {len(reward_weights)} values for {len(funcs)} reward functions; "
+            "give one weight per function."
+        )
+    return [
+        load_reward_model(f, tok) if isinstance(f, str | PreTrainedModel) else f
+        for f, tok in zip(funcs, tokenizers or [None] * len(funcs), strict=True)
+    ]
+
+
 def reward_name(func: RewardFunc | RewardModel) -> str:
     """The metric name of a reward: the function's `__name__` or the reward model's name."""
     return func.name if isinstance(func, RewardModel) else getattr(func, "__name__", type(func).__name__)

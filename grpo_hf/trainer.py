@@ -32,7 +32,7 @@ from transformers import (
 from transformers.trainer_utils import rotate_checkpoints
 
 from grpo_hf import rollout
-from grpo_hf.advantages import combine_rewards, group_advantages, group_std_is_zero
+from grpo_hf.advantages import combine_rewards, group_advantages
 from grpo_hf.checkpoints import (
     NonFiniteGuard,
     SaveOnInterrupt,
@@ -47,9 +47,10 @@ from grpo_hf.data import GroupSampler, check_prompt_dataset, split_batch, trim_p
 from grpo_hf.generation_copy import GenerationCopy
 from grpo_hf.logprobs import completion_logps
 from grpo_hf.loss import adaptive_beta, grpo_loss
+from grpo_hf.metrics import log_completion_table, round_metrics
 from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
 from grpo_hf.reference import build_reference, mix_into_reference, reference_context
-from grpo_hf.scoring import RewardFunc, RewardModel, load_reward_model, reward_name, score_completions
+from grpo_hf.scoring import RewardFunc, RewardModel, reward_functions, reward_name, score_completions
 from grpo_hf.sharding import (
     parameters_for_mixing,
     prepare_reference,
@@ -90,14 +91,7 @@ class GRPOTrainer(Trainer):
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if dataset is not None:
                 check_prompt_dataset(dataset, name)
-        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-        if not funcs:
-            raise ValueError("reward_funcs is empty; pass at least one reward function or reward model.")
-        if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
-            raise ValueError(
-                f"reward_weights has {len(args.reward_weights)} values for {len(funcs)} reward functions; "
-                "give one weight per function."
-            )
+        self.reward_funcs = reward_functions(reward_funcs, reward_processing_classes, args.reward_weights)
         if isinstance(model, str):
             processing_class = processing_class or load_tokenizer(model)
             model = load_model(model)
@@ -116,10 +110,6 @@ class GRPOTrainer(Trainer):
             raise ValueError(
                 "sync_ref_model needs a copied reference; with peft_config the base model is it."
             )
-        self.reward_funcs = [
-            load_reward_model(f, tok) if isinstance(f, str | PreTrainedModel) else f
-            for f, tok in zip(funcs, reward_processing_classes or [None] * len(funcs), strict=True)
-        ]
         super().__init__(
             model=model,
             args=args,
@@ -130,30 +120,14 @@ class GRPOTrainer(Trainer):
             **kwargs,
         )
         self.loss_is_scaled_for_ga = False  # the Trainer divides our loss by the accumulation steps
-        partitioned = zero3_partitioned(self.model)
-        if (
-            ref_model is None
-            and args.beta > 0
-            and peft_config is None
-            and partitioned
-            and self.model.name_or_path
-        ):
-            # ZeRO-3 partitioned the policy as it loaded (zero.Init): load the reference the same way.
-            logger.info(
-                "ZeRO-3: loading the reference from %s instead of copying the policy.",
-                self.model.name_or_path,
-            )
-            ref_model = self.model.name_or_path
-        if isinstance(ref_model, str):
-            ref_model = load_model(ref_model)
-        self.ref_model = build_reference(self.model, args.beta, ref_model)
-        if self.ref_model is not None:
-            self.ref_model = prepare_reference(self.accelerator, self.ref_model, self.model)
+        self.ref_model = self._build_reference(ref_model, peft_config is not None)
         for reward in self.reward_funcs:
             if isinstance(reward, RewardModel):
                 reward.model = self.accelerator.prepare_model(reward.model, evaluation_mode=True)
         self.generation_copy = self._build_generation_copy()
-        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(funcs), dtype=torch.float32)
+        self.reward_weights = torch.tensor(
+            args.reward_weights or [1.0] * len(self.reward_funcs), dtype=torch.float32
+        )
         self.beta = args.beta
         self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
         self._micro_step = 0
@@ -168,6 +142,21 @@ class GRPOTrainer(Trainer):
         self.add_callback(_ReferenceSync(self))
         self.interrupt = SaveOnInterrupt()
         self.add_callback(self.interrupt)
+
+    def _build_reference(self, ref_model: str | PreTrainedModel | None, lora: bool) -> nn.Module | None:
+        """The frozen reference (None when beta = 0 or with LoRA), prepared like the policy."""
+        partitioned = zero3_partitioned(self.model)
+        if ref_model is None and self.args.beta > 0 and not lora and partitioned and self.model.name_or_path:
+            # ZeRO-3 partitioned the policy as it loaded (zero.Init): load the reference the same way.
+            logger.info(
+                "ZeRO-3: loading the reference from %s instead of copying the policy.",
+                self.model.name_or_path,
+            )
+            ref_model = self.model.name_or_path
+        if isinstance(ref_model, str):
+            ref_model = load_model(ref_model)
+        reference = build_reference(self.model, self.args.beta, ref_model)
+        return None if reference is None else prepare_reference(self.accelerator, reference, self.model)
 
     # ---- Data ---------------------------------------------------------------------------------
 
@@ -407,33 +396,21 @@ class GRPOTrainer(Trainer):
 
     def _record_round(self, result, rewards_per_func, rewards, advantages, errors, seconds) -> None:
         gather = self.accelerator.gather
-        all_per_func = gather(rewards_per_func)  # (N, F)
         lengths = gather(result.completion_mask.sum(dim=1).float())  # (N,)
-        truncated = gather(result.truncated.float())  # (N,)
-        all_adv = gather(advantages)  # (N,)
-        group_std = rewards.view(-1, self.args.num_generations).std(dim=1)
-        values = {
-            "reward": rewards.mean().item(),
-            "reward_std": group_std.mean().item(),
-            "frac_reward_zero_std": group_std_is_zero(rewards, self.args.num_generations)
-            .float()
-            .mean()
-            .item(),
-            "advantage/abs_mean": all_adv.abs().mean().item(),
-            "advantage/min": all_adv.min().item(),
-            "advantage/max": all_adv.max().item(),
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": truncated.mean().item(),
-            "generation/tokens_per_second": lengths.sum().item()
-            / max(seconds, 1e-9)
-            / self.accelerator.num_processes,
-            "reward_errors": gather(torch.tensor([float(errors)], device=rewards.device)).sum().item(),
-            "beta": self.beta,
-        }
-        for i, func in enumerate(self.reward_funcs):
-            values[f"reward/{reward_name(func)}"] = all_per_func[:, i].nanmean().item()
+        values = round_metrics(
+            rewards,
+            gather(rewards_per_func),
+            [reward_name(func) for func in self.reward_funcs],
+            gather(advantages),
+            lengths,
+            gather(result.truncated.float()),
+            self.args.num_generations,
+        )
+        values["generation/tokens_per_second"] = (
+            lengths.sum().item() / max(seconds, 1e-9) / self.accelerator.num_processes
+        )
+        values["reward_errors"] = gather(torch.tensor([float(errors)], device=rewards.device)).sum().item()
+        values["beta"] = self.beta
         self.record(values)
 
     def _record_completion_rows(self, prompts, completions, rewards) -> None:
@@ -513,20 +490,3 @@ class GRPOTrainer(Trainer):
                 )
         with self.interrupt.catching_signals():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-
-
-# ---- Helpers ------------------------------------------------------------------------------------
-
-
-def log_completion_table(rows: list[dict], report_to: list[str], step: int) -> None:
-    """Print sample completions with their rewards, and send them to wandb as a table."""
-    lines = [f"completions at step {step}:"] + [
-        f"  [{r['reward']:+.2f}] {r['prompt'][-60:]!r} -> {r['completion'][:120]!r}" for r in rows
-    ]
-    print("\n".join(lines))
-    if "wandb" in report_to:
-        import wandb
-
-        if wandb.run is not None:
-            table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
-            wandb.log({"completions": table}, commit=False)
