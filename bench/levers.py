@@ -1,0 +1,120 @@
+"""What single speed levers give, each against the plain way, on the benchmark's shapes.
+
+    python bench/levers.py            # about a minute; writes bench/results/levers.json
+
+- sampling: `rollout.sample_tokens` (inverse CDF, one uniform per row) against
+  `torch.multinomial(softmax)`, 16 rows of the default model's 49k vocabulary, ms per call;
+- decoding step: `decoding.LlamaDecoder` against the model's own forward (`TransformersDecoder`)
+  on the bf16 generation copy of the default model, 16 rows (2 prompts x 8) after a 29-token
+  prompt, ms per step;
+- loss pass: `logprobs.completion_logits` forward + backward with each distinct prompt run once
+  (its KV cache shared by its 8 completions) against every row whole, LoRA r=16 on q/k/v/o, bf16
+  autocast, 16 rows of 29 + 48 tokens, s per pass.
+The two sides of a lever alternate (A, B, B, A, ...), so a machine whose speed drifts favours
+neither; each figure is the median of its repeats.
+"""
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+from grpo_hf.decoding import LlamaDecoder, TransformersDecoder
+from grpo_hf.generation_copy import GenerationCopy
+from grpo_hf.logprobs import completion_logits, position_ids_from_mask, prefill_prompts
+from grpo_hf.models import DEFAULT_MODEL, load_model
+from grpo_hf.rollout import sample_tokens
+
+ROWS, GROUP, PROMPT, COMPLETION = 16, 8, 29, 48
+OUTPUT = Path(__file__).resolve().parent / "results" / "levers.json"
+
+
+def alternate(a: Callable[[], float], b: Callable[[], float], repeats: int) -> tuple[float, float]:
+    """Medians of `repeats` timings of each, taken in the order a, b, b, a, a, b, ..."""
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for i in range(repeats):
+        for side in (0, 1) if i % 2 == 0 else (1, 0):
+            times[side].append((a, b)[side]())
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def seconds(run: Callable[[], object], calls: int = 1) -> float:
+    """Wall seconds per call of `calls` calls."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return (time.perf_counter() - start) / calls
+
+
+def sampling_lever(vocab: int) -> tuple[float, float]:
+    scores = torch.randn(ROWS, vocab) * 3  # (B, V)
+    multinomial = lambda: torch.multinomial(torch.softmax(scores, dim=-1), 1)  # noqa: E731
+    ours = lambda: sample_tokens(scores)  # noqa: E731
+    return alternate(lambda: seconds(ours, 20) * 1e3, lambda: seconds(multinomial, 20) * 1e3, 6)
+
+
+@torch.no_grad()
+def decoding_lever(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    copy = GenerationCopy(model, torch.bfloat16).refresh()
+    first = position_ids_from_mask(mask)[:, -1:] + 1  # (B, 1)
+    token = torch.randint(0, copy.config.vocab_size, (ROWS,))
+
+    def per_step(kind: type) -> float:
+        cache = prefill_prompts(copy, ids, mask)[1]
+        decoder = (
+            kind(copy, cache, mask, first, COMPLETION)
+            if kind is LlamaDecoder
+            else kind(copy, cache, mask, first)
+        )
+        return seconds(lambda: decoder(token), COMPLETION - 1) * 1e3
+
+    return alternate(lambda: per_step(LlamaDecoder), lambda: per_step(TransformersDecoder), 4)
+
+
+def loss_pass_lever(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    policy = get_peft_model(
+        model,
+        LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+        ),
+    )
+    completions = torch.randint(0, model.config.vocab_size, (ROWS, COMPLETION))
+    input_ids = torch.cat([ids, completions], dim=1)  # (B, P + C)
+    attention = torch.ones_like(input_ids)
+
+    def pass_seconds(share: bool) -> float:
+        def run() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = completion_logits(policy, input_ids, attention, COMPLETION, share_prompts=share)
+            logits.float().logsumexp(dim=-1).sum().backward()
+
+        return seconds(run)
+
+    return alternate(lambda: pass_seconds(True), lambda: pass_seconds(False), 6)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model = load_model(DEFAULT_MODEL).eval()
+    ids = torch.randint(0, model.config.vocab_size, (ROWS // GROUP, PROMPT)).repeat_interleave(GROUP, dim=0)
+    mask = torch.ones_like(ids)  # (B, P): 2 prompts, each repeated 8 times
+    results = {}
+    for name, unit, (ours, plain) in [
+        ("sampling (16 x vocab)", "ms", sampling_lever(model.config.vocab_size)),
+        ("decoding step (bf16 copy)", "ms", decoding_lever(model, ids, mask)),
+        ("loss pass fwd + bwd", "s", loss_pass_lever(model, ids, mask)),
+    ]:
+        results[name] = {"ours": ours, "plain": plain, "unit": unit, "speedup": plain / ours}
+        print(f"{name:28s} ours {ours:8.3f} {unit}   plain {plain:8.3f} {unit}   {plain / ours:5.2f}x")
+    results["threads"] = torch.get_num_threads()
+    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.write_text(json.dumps(results, indent=1))
+    print(f"Results: {OUTPUT}")
+
+
+if __name__ == "__main__":
+    main()
