@@ -54,6 +54,9 @@ def is_plain_llama(model: nn.Module) -> bool:
         and not config.attention_bias
         and not config.mlp_bias
         and getattr(config, "pretraining_tp", 1) in (None, 1)
+        # Dynamic RoPE rescales with the longest position seen so far, step by step in transformers;
+        # LlamaDecoder computes every position's rotation up front.
+        and (getattr(config, "rope_parameters", None) or {}).get("rope_type") != "dynamic"
         and all(type(p.data) is torch.Tensor and not hasattr(p, "ds_id") for p in model.parameters())
     )
 

@@ -114,4 +114,6 @@ def test_decoder_for_uses_the_llama_step_only_where_it_reproduces_the_model():
         with torch.no_grad():
             cache = prefill_prompts(model, ids, mask)[1]
         assert isinstance(decoder_for(model, cache, mask, first, 3), expected)
-    assert is_plain_llama(tiny_llama()) and not is_plain_llama(biased)
+    dynamic_rope = tiny_llama()
+    dynamic_rope.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    assert is_plain_llama(tiny_llama()) and not is_plain_llama(biased) and not is_plain_llama(dynamic_rope)
