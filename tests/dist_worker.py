@@ -209,7 +209,7 @@ def main(argv: list[str]) -> None:
     # Left to interpreter exit, the process group's threads are destroyed while still running, and a
     # process can abort (SIGABRT, "terminate called without an active exception") after all is done.
     PartialState().destroy_process_group()
-    # Even then FSDP2 runs still aborted that way now and then (3 of 6 full runs on one day): every
+    # Even then FSDP2 runs still aborted that way now and then (3 of 7 full runs on one day): every
     # result is written by now, so leave without running C++ destructors. Errors above still raise.
     sys.stdout.flush()
     sys.stderr.flush()
