@@ -107,32 +107,19 @@ def single(tmp_path_factory) -> Path:
     return output
 
 
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory) -> Path:
-    output = tmp_path_factory.mktemp("ddp")
-    launch(output, COMPARED + SAMPLED, BACKENDS["ddp"])
-    return output
+def backend_runs(backend: str):
+    """A module fixture: every compared and sampled scenario run on 2 processes of `backend`."""
+
+    @pytest.fixture(scope="module")
+    def runs(tmp_path_factory) -> Path:
+        output = tmp_path_factory.mktemp(backend)
+        launch(output, COMPARED + SAMPLED, BACKENDS[backend])
+        return output
+
+    return runs
 
 
-@pytest.fixture(scope="module")
-def fsdp2(tmp_path_factory) -> Path:
-    output = tmp_path_factory.mktemp("fsdp2")
-    launch(output, COMPARED + SAMPLED, BACKENDS["fsdp2"])
-    return output
-
-
-@pytest.fixture(scope="module")
-def zero2(tmp_path_factory) -> Path:
-    output = tmp_path_factory.mktemp("zero2")
-    launch(output, COMPARED + SAMPLED, BACKENDS["zero2"])
-    return output
-
-
-@pytest.fixture(scope="module")
-def zero3(tmp_path_factory) -> Path:
-    output = tmp_path_factory.mktemp("zero3")
-    launch(output, COMPARED + SAMPLED, BACKENDS["zero3"])
-    return output
+ddp, fsdp2, zero2, zero3 = (backend_runs(name) for name in BACKENDS)
 
 
 def load_run(folder: Path) -> dict:
