@@ -22,9 +22,12 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
+from grpo_hf.packing import PackedRows, can_pack, packed_logits
+
 # Largest rows x length^2 that takes the math attention kernel on a CPU: 16 rows of 256 tokens.
 # Its backward keeps the attention weights, rows x heads x length^2 per layer.
 MATH_ATTENTION_MAX = 16 * 256 * 256
+TOKENS_PER_CHUNK = 64
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -112,22 +115,70 @@ def token_logps_and_entropy(
     with_entropy: bool = False,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(targets) (B, C) and optionally the token entropy (B, C), one row at a time in float32.
+    """log p(targets) (...) and optionally the token entropy (...) of logits (..., V), in float32.
 
-    The entropy carries gradients only with `entropy_grad` (an entropy bonus); as a metric it
-    would otherwise keep a (C, V) softmax per row alive until backward.
+    Tokens go through in chunks of `TOKENS_PER_CHUNK`, so without autograd only one chunk's float32
+    copy of the logits exists at a time. The entropy carries gradients only with `entropy_grad` (an
+    entropy bonus); as a metric it would otherwise keep a (chunk, V) softmax alive until backward.
     """
+    flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # (M, V), (M,)
     logps, entropies = [], []
-    for row_logits, row_targets in zip(logits, targets, strict=True):
-        scaled = row_logits.float() if temperature == 1.0 else row_logits.float() / temperature  # (C, V)
-        log_norm = torch.logsumexp(scaled, dim=-1)  # (C,)
-        logps.append(scaled.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1) - log_norm)
+    for chunk_logits, chunk_targets in zip(
+        flat_logits.split(TOKENS_PER_CHUNK), flat_targets.split(TOKENS_PER_CHUNK), strict=True
+    ):
+        scaled = chunk_logits.float() if temperature == 1.0 else chunk_logits.float() / temperature  # (c, V)
+        log_norm = torch.logsumexp(scaled, dim=-1)  # (c,)
+        logps.append(scaled.gather(-1, chunk_targets.unsqueeze(-1)).squeeze(-1) - log_norm)
         if with_entropy:
             with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                probs = torch.softmax(scaled, dim=-1)  # (C, V)
+                probs = torch.softmax(scaled, dim=-1)  # (c, V)
                 entropies.append(log_norm - (probs * scaled).sum(dim=-1))
-    entropy = torch.stack(entropies) if with_entropy else None
-    return torch.stack(logps), entropy  # (B, C), (B, C) | None
+    entropy = torch.cat(entropies).view(targets.shape) if with_entropy else None
+    return torch.cat(logps).view(targets.shape), entropy
+
+
+def packed_completion_logps(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_length: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`completion_logps` with the completion tokens packed (see `packing`); 0 at padding.
+
+    The first completion token is predicted by the prompt prefill; token j > 0 by packed token j - 1
+    of the same row, so the LM head runs on every packed token but each row's last.
+    """
+    prompt_length = input_ids.shape[1] - completion_length
+    prompt_mask = attention_mask[:, :prompt_length]  # (B, P)
+    real = attention_mask[:, prompt_length:].bool()  # (B, C)
+    if (real[:, 1:] & ~real[:, :-1]).any():
+        raise ValueError("completion attention masks must be ones then zeros (right padding only)")
+    completion = input_ids[:, prompt_length:]  # (B, C)
+    first_logits, cache = prefill_prompts(model, input_ids[:, :prompt_length], prompt_mask)  # (B, V)
+    has_next = torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)[real]  # (N,)
+    rest_logits = packed_logits(  # (K, V): the real tokens after each row's first
+        model,
+        completion[real],
+        position_ids_from_mask(attention_mask)[:, prompt_length:][real],
+        has_next.nonzero().squeeze(1),
+        PackedRows(real, prompt_mask, cache),
+    )
+    scores = token_logps_and_entropy(first_logits, completion[:, 0], temperature, with_entropy, entropy_grad)
+    rest = token_logps_and_entropy(
+        rest_logits, completion[:, 1:][real[:, 1:]], temperature, with_entropy, entropy_grad
+    )
+    logps, entropy = (
+        None
+        if first is None
+        else torch.cat(
+            [first.unsqueeze(1), first.new_zeros(real[:, 1:].shape).masked_scatter(real[:, 1:], after)], dim=1
+        )
+        for first, after in zip(scores, rest, strict=True)
+    )  # (B, C) each
+    return logps, entropy
 
 
 def completion_logps(
@@ -142,14 +193,26 @@ def completion_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of the last C tokens of input_ids under `model`, and their entropy if asked.
 
-    `gradient_checkpointing=True` (the model recomputes activations in backward) runs every row
-    whole with SDPA's default kernel: checkpointing turns the KV cache off, and the recompute runs
-    outside any kernel choice made here, so it must not depend on one.
+    Models `packing` supports get a padding-free pass (values at padding positions are 0); others
+    a padded one with shared prompts. `gradient_checkpointing=True` (the model recomputes
+    activations in backward) runs every row whole with SDPA's default kernel: checkpointing turns
+    the KV cache off, and the recompute runs outside any kernel choice made here, so it must not
+    depend on one.
     """
-    kernel = contextlib.nullcontext() if gradient_checkpointing else attention_kernel(input_ids)
-    with kernel:
-        logits = completion_logits(  # (B, C, V)
-            model, input_ids, attention_mask, completion_length, share_prompts=not gradient_checkpointing
-        )
+    if gradient_checkpointing:
+        logits = completion_logits(model, input_ids, attention_mask, completion_length, share_prompts=False)
+    else:
+        with attention_kernel(input_ids):
+            if can_pack(model):
+                return packed_completion_logps(
+                    model,
+                    input_ids,
+                    attention_mask,
+                    completion_length,
+                    temperature,
+                    with_entropy,
+                    entropy_grad,
+                )
+            logits = completion_logits(model, input_ids, attention_mask, completion_length)  # (B, C, V)
     targets = input_ids[:, -completion_length:]  # (B, C)
     return token_logps_and_entropy(logits, targets, temperature, with_entropy, entropy_grad)

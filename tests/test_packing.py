@@ -1,0 +1,110 @@
+"""The padding-free completion pass: its layout by hand, its guards, and its numbers."""
+
+import copy
+
+import pytest
+import torch
+from test_decoding import llama_with_rope_scaling
+from test_logprobs import grouped_batch
+from tiny_models import tiny_gpt2, tiny_llama
+from transformers import DynamicCache, MistralConfig, MistralForCausalLM
+
+from grpo_hf import packing
+from grpo_hf.logprobs import (
+    completion_logits,
+    completion_logps,
+    packed_completion_logps,
+    token_logps_and_entropy,
+)
+from grpo_hf.packing import PackedRows, can_pack
+
+
+def tiny_mistral() -> MistralForCausalLM:
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
+    )  # fmt: skip
+    return MistralForCausalLM(config)
+
+
+def test_layout_of_two_rows_by_hand():
+    real = torch.tensor([[1, 1, 0], [1, 0, 0]]).bool()  # (B, C) = (2, 3): 3 real tokens
+    prompt_mask = torch.tensor([[0, 1], [1, 1]])  # (B, P): row 0 left-padded
+    rows = PackedRows(real, prompt_mask, DynamicCache())
+    assert rows.flat_index.tolist() == [0, 1, 3]  # row * C + column
+    # Row 0's second token sees its one prompt token and both its own tokens; padding columns nothing.
+    assert rows.key_mask[0, 0].int().tolist() == [[0, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 1, 1, 1, 0]]
+    assert rows.key_mask[1, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
+    packed = torch.tensor([10.0, 11.0, 20.0]).view(1, 1, 3, 1)  # (1, H, N, d)
+    padded = rows.pad(packed)  # (B, H, C, d)
+    assert padded.view(2, 3).tolist() == [[10.0, 11.0, 0.0], [20.0, 0.0, 0.0]]
+    assert rows.unpad(padded).view(-1).tolist() == [10.0, 11.0, 20.0]  # (1, N, H, d)
+
+
+def test_which_models_pack():
+    assert can_pack(tiny_llama()) and can_pack(tiny_gpt2())
+    assert not can_pack(tiny_mistral())  # a sliding window: attention depends on the layout
+    wrapper = torch.nn.Module()
+    wrapper.module = tiny_llama()  # as DDP and DeepSpeed hold the model
+    assert can_pack(wrapper)
+
+
+@pytest.mark.parametrize(
+    "build", [tiny_llama, llama_with_rope_scaling, tiny_gpt2], ids=["llama", "llama3-rope-gqa", "gpt2"]
+)
+def test_packed_pass_matches_the_padded_one(build):
+    model = build().eval()
+    ids, mask, width = grouped_batch()  # completions of 4, 2 and 1 tokens
+    real = mask[:, -width:].bool()
+    packed_logps, packed_entropy = packed_completion_logps(model, ids, mask, width, 0.8, with_entropy=True)
+    logits = completion_logits(model, ids, mask, width)  # (B, C, V), padding run through the model
+    logps, entropy = token_logps_and_entropy(logits, ids[:, -width:], 0.8, with_entropy=True)
+    torch.testing.assert_close(packed_logps[real], logps[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed_entropy[real], entropy[real], rtol=1e-5, atol=1e-5)
+    assert (packed_logps[~real] == 0).all() and (packed_entropy[~real] == 0).all()
+
+
+def test_packed_pass_under_bf16_autocast_matches_the_padded_one():
+    model = tiny_llama().eval()
+    ids, mask, width = grouped_batch()
+    real = mask[:, -width:].bool()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        packed_logps, _ = packed_completion_logps(model, ids, mask, width)
+        logps, _ = token_logps_and_entropy(completion_logits(model, ids, mask, width), ids[:, -width:])
+    # The same bf16 matmuls on the same rows, only fewer of them: identical on this machine.
+    torch.testing.assert_close(packed_logps[real], logps[real], rtol=0, atol=1e-6)
+
+
+def test_completions_with_holes_are_refused():
+    model = tiny_llama().eval()
+    ids, mask, width = grouped_batch()
+    mask[1, -width:] = torch.tensor([1, 0, 1, 0])
+    with pytest.raises(ValueError, match="right padding"):
+        packed_completion_logps(model, ids, mask, width)
+
+
+def test_attention_that_never_reaches_the_packed_kernel_raises():
+    """A model whose attention reads another config would attend across packed rows: refuse."""
+    model = tiny_llama().eval()
+    for layer in model.model.layers:
+        layer.self_attn.config = copy.copy(model.config)  # the swap no longer reaches attention
+    ids, mask, width = grouped_batch()
+    with pytest.raises(RuntimeError, match="attention interface"):
+        packed_completion_logps(model, ids, mask, width)
+    assert model.config._attn_implementation != packing.PACKED_ATTENTION  # restored after the error
+
+
+def test_models_that_cannot_pack_take_the_padded_pass():
+    model = tiny_mistral().eval()
+    ids, mask, width = grouped_batch()
+    seen = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    try:
+        shared, _ = completion_logps(model, ids, mask, width)
+    finally:
+        hook.remove()
+    assert seen == [torch.Size([2, 5]), torch.Size([6, 4])]  # prompts once, then padded completions
+    whole, _ = completion_logps(model, ids, mask, width, gradient_checkpointing=True)
+    real = mask[:, -width:].bool()
+    torch.testing.assert_close(shared[real], whole[real], rtol=1e-5, atol=1e-5)
