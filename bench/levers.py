@@ -7,9 +7,16 @@
 - decoding step: `decoding.LlamaDecoder` against the model's own forward (`TransformersDecoder`)
   on the bf16 generation copy of the default model, 16 rows (2 prompts x 8) after a 29-token
   prompt, ms per step;
-- loss pass: `logprobs.completion_logits` forward + backward with each distinct prompt run once
-  (its KV cache shared by its 8 completions) against every row whole, LoRA r=16 on q/k/v/o, bf16
-  autocast, 16 rows of 29 + 48 tokens, s per pass.
+- decoding matmuls: every matmul of a decoding step (30 layers and the LM head, 16 rows) on
+  weights reordered once into oneDNN's blocked layout (`decoding.BlockedLinear`) against
+  `F.linear` on the plain bf16 weights, ms per step;
+- loss pass, shared prompts: `logprobs.completion_logits` forward + backward with each distinct
+  prompt run once (its KV cache shared by its 8 completions) against every row whole, LoRA r=16
+  on q/k/v/o, bf16 autocast, 16 rows of 29 + 48 tokens, s per pass;
+- loss pass, padding-free: `logprobs.packed_completion_logps` (only real completion tokens through
+  the model) against the padded pass with shared prompts (`completion_logits` and
+  `token_logps_and_entropy`), forward + backward, same model; completions of 48 tokens in half
+  the rows and 12 to 45 in the others (mean 38, as in the benchmark's rounds), s per pass.
 The two sides of a lever alternate (A, B, B, A, ...), so a machine whose speed drifts favours
 neither; each figure is the median of its repeats.
 """
@@ -23,9 +30,15 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 
-from grpo_hf.decoding import LlamaDecoder, TransformersDecoder
+from grpo_hf.decoding import BlockedLinear, LlamaDecoder, TransformersDecoder
 from grpo_hf.generation_copy import GenerationCopy
-from grpo_hf.logprobs import completion_logits, position_ids_from_mask, prefill_prompts
+from grpo_hf.logprobs import (
+    completion_logits,
+    packed_completion_logps,
+    position_ids_from_mask,
+    prefill_prompts,
+    token_logps_and_entropy,
+)
 from grpo_hf.models import DEFAULT_MODEL, load_model
 from grpo_hf.rollout import sample_tokens
 
@@ -75,26 +88,73 @@ def decoding_lever(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     return alternate(lambda: per_step(LlamaDecoder), lambda: per_step(TransformersDecoder), 4)
 
 
-def loss_pass_lever(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    policy = get_peft_model(
-        model,
-        LoraConfig(
-            r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
-        ),
-    )
-    completions = torch.randint(0, model.config.vocab_size, (ROWS, COMPLETION))
+@torch.no_grad()
+def matmul_lever(model: torch.nn.Module) -> tuple[float, float]:
+    copy = GenerationCopy(model, torch.bfloat16).refresh()
+    weights = [module.weight for module in copy.modules() if isinstance(module, torch.nn.Linear)]
+    inputs = [torch.randn(ROWS, weight.shape[1], dtype=torch.bfloat16) for weight in weights]
+    blocked = [BlockedLinear(weight, ROWS) for weight in weights]
+
+    def ours() -> None:
+        for linear, x in zip(blocked, inputs, strict=True):
+            linear(x)
+
+    def plain() -> None:
+        for weight, x in zip(weights, inputs, strict=True):
+            torch.nn.functional.linear(x, weight)
+
+    return alternate(lambda: seconds(ours, 10) * 1e3, lambda: seconds(plain, 10) * 1e3, 6)
+
+
+def lora_policy(model: torch.nn.Module) -> torch.nn.Module:
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
+
+
+def fwd_bwd_seconds(run: Callable[[], torch.Tensor]) -> float:
+    """Seconds of one forward (under bf16 autocast) and the backward of its scalar."""
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            scalar = run()
+        scalar.backward()
+
+    return seconds(step)
+
+
+def shared_prompts_lever(
+    policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[float, float]:
+    completions = torch.randint(0, policy.config.vocab_size, (ROWS, COMPLETION))
     input_ids = torch.cat([ids, completions], dim=1)  # (B, P + C)
     attention = torch.ones_like(input_ids)
 
-    def pass_seconds(share: bool) -> float:
-        def run() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = completion_logits(policy, input_ids, attention, COMPLETION, share_prompts=share)
-            logits.float().logsumexp(dim=-1).sum().backward()
+    def run(share: bool) -> torch.Tensor:
+        logits = completion_logits(policy, input_ids, attention, COMPLETION, share_prompts=share)
+        return logits.float().logsumexp(dim=-1).sum()
 
-        return seconds(run)
+    return alternate(
+        lambda: fwd_bwd_seconds(lambda: run(True)), lambda: fwd_bwd_seconds(lambda: run(False)), 6
+    )
 
-    return alternate(lambda: pass_seconds(True), lambda: pass_seconds(False), 6)
+
+def padding_free_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    lengths = torch.cat(
+        [torch.full((ROWS // 2,), COMPLETION), torch.linspace(12, 45, ROWS // 2).round().long()]
+    )
+    real = (torch.arange(COMPLETION) < lengths.unsqueeze(1)).long()  # (B, C)
+    completions = torch.randint(0, policy.config.vocab_size, (ROWS, COMPLETION)) * real
+    input_ids = torch.cat([ids, completions], dim=1)  # (B, P + C)
+    attention = torch.cat([mask, real], dim=1)
+
+    def packed() -> torch.Tensor:
+        return packed_completion_logps(policy, input_ids, attention, COMPLETION)[0].sum()
+
+    def padded() -> torch.Tensor:
+        logits = completion_logits(policy, input_ids, attention, COMPLETION)  # (B, C, V)
+        return (token_logps_and_entropy(logits, completions)[0] * real).sum()
+
+    return alternate(lambda: fwd_bwd_seconds(packed), lambda: fwd_bwd_seconds(padded), 6)
 
 
 def main() -> None:
@@ -102,12 +162,18 @@ def main() -> None:
     model = load_model(DEFAULT_MODEL).eval()
     ids = torch.randint(0, model.config.vocab_size, (ROWS // GROUP, PROMPT)).repeat_interleave(GROUP, dim=0)
     mask = torch.ones_like(ids)  # (B, P): 2 prompts, each repeated 8 times
-    results = {}
-    for name, unit, (ours, plain) in [
+    levers = [
         ("sampling (16 x vocab)", "ms", sampling_lever(model.config.vocab_size)),
         ("decoding step (bf16 copy)", "ms", decoding_lever(model, ids, mask)),
-        ("loss pass fwd + bwd", "s", loss_pass_lever(model, ids, mask)),
-    ]:
+        ("decoding matmuls (16 rows)", "ms", matmul_lever(model)),
+    ]
+    policy = lora_policy(model)  # adds LoRA layers to `model` itself: after the levers above
+    levers += [
+        ("loss pass, shared prompts", "s", shared_prompts_lever(policy, ids, mask)),
+        ("loss pass, padding-free", "s", padding_free_lever(policy, ids, mask)),
+    ]
+    results = {}
+    for name, unit, (ours, plain) in levers:
         results[name] = {"ours": ours, "plain": plain, "unit": unit, "speedup": plain / ours}
         print(f"{name:28s} ours {ours:8.3f} {unit}   plain {plain:8.3f} {unit}   {plain / ours:5.2f}x")
     results["threads"] = torch.get_num_threads()

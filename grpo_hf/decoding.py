@@ -6,8 +6,8 @@ every layer's keys and values at every step, and (with the float32 decode attent
 `generation_copy`) a cast of the whole cache each time. For Llama-architecture models (`LlamaForCausalLM`:
 SmolLM2, Llama 2/3, TinyLlama, ...) `LlamaDecoder` runs the same computation directly on the
 model's weights:
-- q/k/v and gate/up projections are one matmul each (`join_projections` makes them adjacent in
-  memory, so the joined weight is a view, not a copy);
+- q/k/v and gate/up projections are one matmul each, on weights reordered once per generation
+  round into oneDNN's blocked layout on a CPU (`BlockedLinear`);
 - keys and values go into a float32 cache allocated once for the whole completion, and the
   attention of the one query token is two float32 matmuls over it;
 - RMSNorm, RoPE and the residual stream round exactly where transformers' Llama does (tests
@@ -65,41 +65,24 @@ def is_plain_llama(model: nn.Module) -> bool:
     )
 
 
-def _joined(weights: list[torch.Tensor]) -> torch.Tensor:
-    """The weights stacked by rows: a view if they already lie one after another in memory."""
-    first = weights[0]
-    storage, end = first.untyped_storage().data_ptr(), first.data_ptr()
-    for weight in weights:
-        if (
-            weight.untyped_storage().data_ptr() != storage  # side by side by chance is not enough
-            or not weight.is_contiguous()
-            or weight.data_ptr() != end
-            or weight.dtype != first.dtype
-        ):
-            return torch.cat(weights)
-        end += weight.numel() * weight.element_size()
-    rows = sum(weight.shape[0] for weight in weights)
-    return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
+class BlockedLinear:
+    """x (rows, in) -> x @ weight.T for a fixed weight, in oneDNN's blocked layout on a CPU.
 
-
-@torch.no_grad()
-def join_projections(model: nn.Module) -> None:
-    """Store each layer's q/k/v and gate/up weights one after another (rows of one tensor).
-
-    The modules keep working as before; `LlamaDecoder` then runs each group as one matmul without
-    copying. For a model that only ever decodes (the bf16 generation copy), done once.
+    oneDNN reorders a plain weight into its blocked layout inside every matmul; for the few rows
+    of a decoding step that reorder costs as much as the product itself. Reordering once per
+    generation round (`_reorder_linear_weight`, sized for `rows`) halves the step's matmul time on
+    the benchmark's shapes, with bit-identical bf16 results (`bench/levers.py`). Elsewhere (a GPU,
+    no oneDNN) the weight is used as it is.
     """
-    for layer in model.model.layers:
-        for modules in (
-            [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
-            [layer.mlp.gate_proj, layer.mlp.up_proj],
-        ):
-            storage = torch.cat([module.weight for module in modules])  # (sum of out, in)
-            start = 0
-            for module in modules:
-                rows = module.weight.shape[0]
-                module.weight = nn.Parameter(storage[start : start + rows], requires_grad=False)
-                start += rows
+
+    def __init__(self, weight: torch.Tensor, rows: int):
+        self.packed = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if self.packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        return F.linear(x, self.weight)
 
 
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,16 +99,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def _layer_weights(layer: nn.Module) -> tuple[torch.Tensor, ...]:
-    """A decoder layer's weights in the order `LlamaDecoder` uses them, q/k/v and gate/up joined."""
+def _layer_weights(layer: nn.Module, rows: int) -> tuple:
+    """A decoder layer's norms and matmuls in the order `LlamaDecoder` uses them, q/k/v and gate/up joined."""
     attention, mlp = layer.self_attn, layer.mlp
     return (
         layer.input_layernorm.weight,
-        _joined([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]),
-        attention.o_proj.weight,
+        BlockedLinear(
+            torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]), rows
+        ),
+        BlockedLinear(attention.o_proj.weight, rows),
         layer.post_attention_layernorm.weight,
-        _joined([mlp.gate_proj.weight, mlp.up_proj.weight]),
-        mlp.down_proj.weight,
+        BlockedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), rows),
+        BlockedLinear(mlp.down_proj.weight, rows),
     )
 
 
@@ -147,9 +132,11 @@ class LlamaDecoder:
         self.eps = config.rms_norm_eps
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
-        self.lm_head = model.lm_head.weight
-        self.layers = [_layer_weights(layer) for layer in model.model.layers[: config.num_hidden_layers]]
         rows, prompt_length = prompt_mask.shape
+        self.lm_head = BlockedLinear(model.lm_head.weight, rows)
+        self.layers = [
+            _layer_weights(layer, rows) for layer in model.model.layers[: config.num_hidden_layers]
+        ]
         width = prompt_length + max_new_tokens
         self.keys, self.values = [], []
         for layer in cache.layers[: len(self.layers)]:
@@ -175,7 +162,7 @@ class LlamaDecoder:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         hidden = F.embedding(token, self.embed)  # (B, E)
         for i, (norm_in, qkv, out_proj, norm_post, gate_up, down) in enumerate(self.layers):
-            qk, v = F.linear(_rms_norm(hidden, norm_in, self.eps), qkv).split([q_size + kv_size, kv_size], -1)
+            qk, v = qkv(_rms_norm(hidden, norm_in, self.eps)).split([q_size + kv_size, kv_size], -1)
             qk = _rotate(qk.view(rows, self.heads + self.kv_heads, self.head_dim), cos, sin)  # (B, H + KV, D)
             q = qk[:, : self.heads]  # (B, H, D)
             self.keys[i][:, :, column] = qk[:, self.heads :]
@@ -184,11 +171,11 @@ class LlamaDecoder:
             grouped = q.reshape(rows, self.kv_heads, -1, self.head_dim).float()  # (B, KV, H / KV, D)
             scores = grouped @ keys.transpose(-1, -2) * self.head_dim**-0.5 + mask  # (B, KV, H / KV, L)
             attention = (scores.softmax(dim=-1) @ values).to(hidden.dtype).view(rows, q_size)  # (B, H * D)
-            hidden = hidden + F.linear(attention, out_proj)
-            gate, up = F.linear(_rms_norm(hidden, norm_post, self.eps), gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, down)
+            hidden = hidden + out_proj(attention)
+            gate, up = gate_up(_rms_norm(hidden, norm_post, self.eps)).chunk(2, dim=-1)
+            hidden = hidden + down(F.silu(gate) * up)
         self.step += 1
-        return F.linear(_rms_norm(hidden, self.final_norm, self.eps), self.lm_head).float()  # (B, V)
+        return self.lm_head(_rms_norm(hidden, self.final_norm, self.eps)).float()  # (B, V)
 
 
 def decoder_for(

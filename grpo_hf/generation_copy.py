@@ -8,11 +8,10 @@ weights stay bit-identical. `refresh()` writes the current policy weights into t
 generation round. Only the sampling distribution is rounded: log-probs for the loss still come
 from the policy, as when a separate inference engine generates.
 
-A Llama-architecture copy decodes through `decoding.LlamaDecoder` (its q/k/v and gate/up weights
-are laid out as one tensor each for it). Other models decode through their own forward, where
-the attention of one query token uses plain float32 matmuls (`decode_attention`): SDPA's CPU
-kernels spend ~0.55 ms per layer on the 16 x 77-key attention of a decoding step, the matmuls
-~0.25 ms. Longer queries (the prompt prefill) go to SDPA as usual.
+A Llama-architecture copy decodes through `decoding.LlamaDecoder`. Other models decode through
+their own forward, where the attention of one query token uses plain float32 matmuls
+(`decode_attention`): SDPA's CPU kernels spend ~0.55 ms per layer on the 16 x 77-key attention
+of a decoding step, the matmuls ~0.25 ms. Longer queries (the prompt prefill) go to SDPA as usual.
 """
 
 import copy
@@ -24,7 +23,6 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from grpo_hf.decoding import is_plain_llama, join_projections
 from grpo_hf.reference import is_peft_model
 
 DECODE_ATTENTION = "grpo_hf_decode"
@@ -80,8 +78,6 @@ class GenerationCopy:
             self.model = copy.deepcopy(policy)
             self._lora_layers = {}
         self.model.to(dtype).eval().requires_grad_(False)
-        if is_plain_llama(self.model):
-            join_projections(self.model)
         if getattr(self.model, "_supports_attention_backend", False):
             self.model.set_attn_implementation(DECODE_ATTENTION)
         self._targets = dict(self.model.named_modules())
