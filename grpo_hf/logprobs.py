@@ -1,16 +1,20 @@
 """Per-token log-probs (and entropy) of completion tokens, without computing more than needed.
 
 - Each distinct prompt goes through the model once, however many of its G completions the batch
-  holds: its KV cache is shared by the copies (`prefill_prompts`), and under autograd its gradient
-  accumulates from all of them, exactly as if each copy had its own. With G = 8 and prompts as long
-  as completions this removes almost half of the tokens of every forward and backward pass.
-- Only the completion positions go through the LM head (`logits_to_keep`), and the log-softmax is
-  taken one sequence at a time in float32, so the full (B, T, V) float32 tensor never exists for a
-  bf16 model.
+  holds, and under autograd its gradient accumulates from all of them, exactly as if each copy had
+  its own. With G = 8 and prompts as long as completions this removes almost half of the tokens of
+  every forward and backward pass.
+- For Llama and GPT-2 models the pass is padding-free (`packing`): the distinct prompts and the
+  real completion tokens go through the model as one row, so no padding after an EOS costs a
+  forward or backward. Other models run the distinct prompts once (`prefill_prompts`) and share
+  their KV cache with the padded completions.
+- Only the positions that predict a completion token go through the LM head (`logits_to_keep`),
+  and the log-softmax is taken 64 tokens at a time in float32, so without autograd the full
+  (tokens, V) float32 tensor never exists for a bf16 model.
 - On a CPU, short batches use SDPA's math kernel (`attention_kernel`): the fused flash kernel
   costs ~9 ms per layer in backward at 16 rows of 77 tokens, the math kernel a fraction of that;
   long batches keep the flash kernel, whose memory does not grow with length squared.
-Under gradient checkpointing neither applies (see `completion_logps`).
+Under gradient checkpointing none of this applies (see `completion_logps`).
 Logits are divided by the sampling temperature, so log-probs are those of the distribution the
 completions were sampled from.
 """
@@ -146,37 +150,44 @@ def packed_completion_logps(
     with_entropy: bool = False,
     entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`completion_logps` with the completion tokens packed (see `packing`); 0 at padding.
+    """`completion_logps` in one model call on the batch's real tokens (see `packing`); 0 at padding.
 
-    The first completion token is predicted by the prompt prefill; token j > 0 by packed token j - 1
-    of the same row, so the LM head runs on every packed token but each row's last.
+    The packed row is the distinct prompts, then the completions. A row's first completion token
+    is predicted at its prompt's last token, token j > 0 at its token j - 1, so the LM head runs
+    on each prompt's last token and on every completion token but each row's last.
     """
     prompt_length = input_ids.shape[1] - completion_length
-    prompt_mask = attention_mask[:, :prompt_length]  # (B, P)
+    prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]  # (B, P)
     real = attention_mask[:, prompt_length:].bool()  # (B, C)
     if (real[:, 1:] & ~real[:, :-1]).any():
         raise ValueError("completion attention masks must be ones then zeros (right padding only)")
+    first, row_to_unique = unique_rows(prompt_ids, prompt_mask)  # (U,), (B,)
+    prompt_real = prompt_mask[first].bool()  # (U, P)
     completion = input_ids[:, prompt_length:]  # (B, C)
-    first_logits, cache = prefill_prompts(model, input_ids[:, :prompt_length], prompt_mask)  # (B, V)
+    positions = position_ids_from_mask(attention_mask)  # (B, P + C)
+    prompt_ends = prompt_real.sum(dim=1).cumsum(dim=0) - 1  # (U,) each prompt's last packed token
     has_next = torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)[real]  # (N,)
-    rest_logits = packed_logits(  # (K, V): the real tokens after each row's first
+    logits = packed_logits(  # (U + K, V)
         model,
-        completion[real],
-        position_ids_from_mask(attention_mask)[:, prompt_length:][real],
-        has_next.nonzero().squeeze(1),
-        PackedRows(real, prompt_mask, cache),
+        torch.cat([prompt_ids[first][prompt_real], completion[real]]),  # (U prompts' + N tokens,)
+        torch.cat([positions[first, :prompt_length][prompt_real], positions[:, prompt_length:][real]]),
+        torch.cat([prompt_ends, prompt_ends[-1] + 1 + has_next.nonzero().squeeze(1)]),
+        PackedRows(prompt_real, row_to_unique, real),
     )
-    scores = token_logps_and_entropy(first_logits, completion[:, 0], temperature, with_entropy, entropy_grad)
-    rest = token_logps_and_entropy(
-        rest_logits, completion[:, 1:][real[:, 1:]], temperature, with_entropy, entropy_grad
+    unique = first.shape[0]
+    scores = token_logps_and_entropy(  # (B,) each: the first completion tokens
+        logits[:unique][row_to_unique], completion[:, 0], temperature, with_entropy, entropy_grad
+    )
+    rest = token_logps_and_entropy(  # (K,) each: the later real completion tokens
+        logits[unique:], completion[:, 1:][real[:, 1:]], temperature, with_entropy, entropy_grad
     )
     logps, entropy = (
         None
-        if first is None
+        if head is None
         else torch.cat(
-            [first.unsqueeze(1), first.new_zeros(real[:, 1:].shape).masked_scatter(real[:, 1:], after)], dim=1
+            [head.unsqueeze(1), head.new_zeros(real[:, 1:].shape).masked_scatter(real[:, 1:], tail)], 1
         )
-        for first, after in zip(scores, rest, strict=True)
+        for head, tail in zip(scores, rest, strict=True)
     )  # (B, C) each
     return logps, entropy
 

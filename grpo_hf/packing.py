@@ -1,15 +1,16 @@
-"""Padding-free completion pass: only the real completion tokens go through the model's layers.
+"""Padding-free loss passes: the prompts and completions of a batch as one row of real tokens.
 
-Completions in a GRPO batch are right-padded to the longest one, and each padding position after
-an EOS costs a full forward and backward through every linear layer and the LM head. Here the real
-completion tokens of all rows are laid end to end in one row of N tokens, with each token's own
-position id. Every layer but attention works token by token, so on that row they compute exactly
-what they would on the padded batch. For attention the model's attention implementation is
-swapped, for this one call, for `packed_attention`: it scatters queries, keys and values back into
-the padded (B, H, C, d) layout, lets each row attend to its prompt's keys (from the prompt
-prefill's cache) and to its own earlier completion tokens, and gathers the real positions again.
-Attention is a small part of the cost at these lengths; the MLPs, projections and LM head see only
-real tokens.
+A GRPO batch holds each prompt G times, left-padded to the longest prompt, and completions
+right-padded to the longest completion; every padding position after an EOS and every repeated
+prompt would cost a full forward and backward through every linear layer. Here each distinct
+prompt's real tokens and then every row's real completion tokens are laid end to end in one row,
+each token with its own position id, and the model runs once on it. Every layer but attention
+works token by token, so on that row it computes exactly what it would on the padded batch. For
+attention the model's attention implementation is swapped, for this one call, for
+`packed_attention`: it scatters queries, keys and values back into padded layouts, lets each
+prompt attend causally to itself and each completion to its prompt's keys and its own earlier
+tokens, and gathers the real positions again. Attention is a small part of the cost at these
+lengths; the MLPs, projections and LM head see only real tokens, each prompt once.
 
 It applies to model types whose attention goes through transformers' attention interface with
 nothing that depends on the layout (no sliding window, no soft-capping): `PACKABLE_MODEL_TYPES`.
@@ -23,36 +24,22 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface, DynamicCache, PretrainedConfig
+from transformers import AttentionInterface, PretrainedConfig
 
 PACKED_ATTENTION = "grpo_hf_packed"
 PACKABLE_MODEL_TYPES = frozenset({"llama", "gpt2"})
 
 
-class PackedRows:
-    """Where each of the N packed tokens sits in the padded (B, C) completion layout.
+class Padded:
+    """A padded (R, W) layout and the positions of its real entries, in row-major order."""
 
-    A plain class, not a dataclass: DDP copies dataclass arguments when it moves inputs, and the
-    call count must reach the caller.
-    """
-
-    def __init__(self, real: torch.Tensor, prompt_mask: torch.Tensor, cache: DynamicCache):
-        rows, width = real.shape  # (B, C)
-        self.shape = (rows, width)
-        self.flat_index = real.flatten().nonzero().squeeze(1)  # (N,): row * C + column
-        causal = torch.ones(width, width, dtype=torch.bool, device=real.device).tril()  # (C, C)
-        self.key_mask = torch.cat(  # (B, 1, C, P + C): the row's prompt, then its own earlier tokens
-            [
-                prompt_mask.bool()[:, None, None, :].expand(rows, 1, width, prompt_mask.shape[1]),
-                (causal & real[:, None, :])[:, None],
-            ],
-            dim=-1,
-        )
-        self.cache = cache  # the prompts' keys and values, one row per completion
-        self.calls = 0
+    def __init__(self, real: torch.Tensor):
+        self.shape = real.shape  # (R, W)
+        self.flat_index = real.flatten().nonzero().squeeze(1)  # (n,): row * W + column
+        self.count = self.flat_index.shape[0]
 
     def pad(self, states: torch.Tensor) -> torch.Tensor:
-        """(1, H, N, d) packed states -> (B, H, C, d), zeros at padding."""
+        """(1, H, n, d) packed states -> (R, H, W, d), zeros at padding."""
         rows, width = self.shape
         _, heads, _, dim = states.shape
         flat = states.new_zeros(rows * width, heads, dim).index_copy(
@@ -61,9 +48,66 @@ class PackedRows:
         return flat.view(rows, width, heads, dim).transpose(1, 2)
 
     def unpad(self, states: torch.Tensor) -> torch.Tensor:
-        """(B, H, C, d) -> (1, N, H, d), the layout attention implementations return."""
+        """(R, H, W, d) -> (1, n, H, d), the layout attention implementations return."""
         rows, heads, width, dim = states.shape
         return states.transpose(1, 2).reshape(rows * width, heads, dim)[self.flat_index].unsqueeze(0)
+
+
+def _causal(real: torch.Tensor) -> torch.Tensor:
+    """(R, W, W): query i sees real keys j <= i, and padding queries see themselves (no empty rows)."""
+    width = real.shape[1]
+    lower = torch.ones(width, width, dtype=torch.bool, device=real.device).tril()  # (W, W)
+    return (lower & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=real.device)
+
+
+def _bias(allowed: torch.Tensor) -> torch.Tensor:
+    """(R, W, L) bool -> (R, 1, W, L) float32 attention bias: 0 where allowed, -inf elsewhere."""
+    return (
+        torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+    )
+
+
+class PackedRows:
+    """The packed row: U distinct prompts' real tokens, then the real tokens of B completions.
+
+    `prompt_real` (U, P) marks each distinct prompt's real tokens, `row_to_unique` (B,) each
+    completion's prompt, `completion_real` (B, C) its real tokens. A plain class, not a dataclass:
+    DDP copies dataclass arguments when it moves inputs, and the call count must reach the caller.
+    """
+
+    def __init__(self, prompt_real: torch.Tensor, row_to_unique: torch.Tensor, completion_real: torch.Tensor):
+        self.prompts, self.completions = Padded(prompt_real), Padded(completion_real)
+        self.row_to_unique = row_to_unique  # (B,)
+        self.prompt_mask = _bias(_causal(prompt_real))  # (U, 1, P, P)
+        rows, width = completion_real.shape
+        own_prompt = prompt_real[row_to_unique][:, None, :].expand(rows, width, -1)  # (B, C, P)
+        self.completion_mask = _bias(torch.cat([own_prompt, _causal(completion_real)], dim=-1))
+        self.calls = 0  # (B, 1, C, P + C) above: the row's prompt, then its own earlier tokens
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor,
+    dropout: float,
+    scale: float | None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v in float32, each key head shared by its group of query heads.
+
+    query (R, H, W, d); key, value (R, Hkv, L, d); bias (R, 1, W, L), 0 or -inf. The query heads of
+    a group are stacked so each key head is used as it is, without the copies SDPA's math kernel
+    makes to repeat keys and values per query head.
+    """
+    rows, heads, width, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads * width, dim).float()  # (R, Hkv, G * W, d)
+    scores = (
+        grouped @ key.float().transpose(-1, -2) * (dim**-0.5 if scale is None else scale)
+    )  # (R, Hkv, G * W, L)
+    scores = scores.view(rows, kv_heads, heads // kv_heads, width, length) + bias.unsqueeze(2)
+    probs = F.dropout(scores.softmax(dim=-1), dropout).view(rows, kv_heads, -1, length)  # (R, Hkv, G * W, L)
+    return (probs @ value.float()).view(rows, heads, width, dim).to(query.dtype)  # (R, H, W, d)
 
 
 def packed_attention(
@@ -77,24 +121,27 @@ def packed_attention(
     packed_rows: PackedRows | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over packed completion tokens (1, H, N, d): each row sees its prompt and its past."""
+    """Attention over a packed row (1, H, n, d): prompts causally, completions over prompt and past."""
     if packed_rows is None:
         raise RuntimeError(f"attention implementation {PACKED_ATTENTION!r} needs packed_rows")
     packed_rows.calls += 1
-    prompt = packed_rows.cache.layers[module.layer_idx]
-    query = packed_rows.pad(query)  # (B, H, C, d)
-    key = torch.cat([prompt.keys, packed_rows.pad(key)], dim=2)  # (B, Hkv, P + C, d)
-    value = torch.cat([prompt.values, packed_rows.pad(value)], dim=2)  # (B, Hkv, P + C, d)
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=packed_rows.key_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )  # (B, H, C, d)
-    return packed_rows.unpad(out), None  # (1, N, H, d)
+    prompts, completions, split = packed_rows.prompts, packed_rows.completions, packed_rows.prompts.count
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return _attend(q, k, v, mask, dropout, scaling)
+
+    prompt_q, prompt_k, prompt_v = (prompts.pad(x[:, :, :split]) for x in (query, key, value))  # (U, ., P, d)
+    prompt_out = attend(prompt_q, prompt_k, prompt_v, packed_rows.prompt_mask)  # (U, H, P, d)
+    index = packed_rows.row_to_unique
+    completion_out = attend(  # (B, H, C, d)
+        completions.pad(query[:, :, split:]),
+        torch.cat([prompt_k[index], completions.pad(key[:, :, split:])], dim=2),  # (B, Hkv, P + C, d)
+        torch.cat([prompt_v[index], completions.pad(value[:, :, split:])], dim=2),
+        packed_rows.completion_mask,
+    )
+    return torch.cat(
+        [prompts.unpad(prompt_out), completions.unpad(completion_out)], dim=1
+    ), None  # (1, n, H, d)
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
@@ -136,7 +183,7 @@ def packed_logits(
     keep: torch.Tensor,
     rows: PackedRows,
 ) -> torch.Tensor:
-    """(K, V) logits at packed positions `keep` of the packed row `tokens` (N,) at `positions` (N,)."""
+    """(K, V) logits at packed positions `keep` of the packed row `tokens` (n,) at `positions` (n,)."""
     with attention_implementation(model_config(model), PACKED_ATTENTION):
         out = model(
             input_ids=tokens.unsqueeze(0),

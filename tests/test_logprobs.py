@@ -164,8 +164,8 @@ def test_prefill_runs_each_distinct_prompt_once(model):
         completion_logps(model, ids, mask, width)
     finally:
         hook.remove()
-    # Two distinct prompts of 5 tokens, then the 4 + 2 + 1 real completion tokens of each, in one row.
-    assert seen == [torch.Size([2, 5]), torch.Size([1, 14])]
+    # One row: the two distinct prompts' 3 + 5 real tokens, then the 4 + 2 + 1 real completion tokens of each.
+    assert seen == [torch.Size([1, 22])]
 
 
 def test_completion_of_one_token(model):

@@ -7,7 +7,7 @@ import torch
 from test_decoding import llama_with_rope_scaling
 from test_logprobs import grouped_batch
 from tiny_models import tiny_gpt2, tiny_llama
-from transformers import DynamicCache, MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM
 
 from grpo_hf import packing
 from grpo_hf.logprobs import (
@@ -29,17 +29,28 @@ def tiny_mistral() -> MistralForCausalLM:
 
 
 def test_layout_of_two_rows_by_hand():
-    real = torch.tensor([[1, 1, 0], [1, 0, 0]]).bool()  # (B, C) = (2, 3): 3 real tokens
-    prompt_mask = torch.tensor([[0, 1], [1, 1]])  # (B, P): row 0 left-padded
-    rows = PackedRows(real, prompt_mask, DynamicCache())
-    assert rows.flat_index.tolist() == [0, 1, 3]  # row * C + column
-    # Row 0's second token sees its one prompt token and both its own tokens; padding columns nothing.
-    assert rows.key_mask[0, 0].int().tolist() == [[0, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0, 1, 1, 1, 0]]
-    assert rows.key_mask[1, 0].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0]]
-    packed = torch.tensor([10.0, 11.0, 20.0]).view(1, 1, 3, 1)  # (1, H, N, d)
-    padded = rows.pad(packed)  # (B, H, C, d)
+    prompt_real = torch.tensor([[0, 1], [1, 1]]).bool()  # (U, P) = (2, 2): prompt 0 left-padded
+    completion_real = torch.tensor([[1, 1, 0], [1, 0, 0]]).bool()  # (B, C) = (2, 3): 3 real tokens
+    rows = PackedRows(prompt_real, torch.tensor([0, 1]), completion_real)
+    assert rows.prompts.flat_index.tolist() == [1, 2, 3]  # row * P + column
+    assert rows.completions.flat_index.tolist() == [0, 1, 3]  # row * C + column
+    # Prompts: causal over real tokens; a padding query sees only itself (no empty softmax row).
+    assert (rows.prompt_mask[:, 0] == 0).int().tolist() == [[[1, 0], [0, 1]], [[1, 0], [1, 1]]]
+    # Completions: the row's prompt, then its own tokens up to the query; padding queries also see themselves.
+    assert (rows.completion_mask[0, 0] == 0).int().tolist() == [
+        [0, 1, 1, 0, 0],
+        [0, 1, 1, 1, 0],
+        [0, 1, 1, 1, 1],
+    ]
+    assert (rows.completion_mask[1, 0] == 0).int().tolist() == [
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 1, 0, 1],
+    ]
+    packed = torch.tensor([10.0, 11.0, 20.0]).view(1, 1, 3, 1)  # (1, H, n, d)
+    padded = rows.completions.pad(packed)  # (B, H, C, d)
     assert padded.view(2, 3).tolist() == [[10.0, 11.0, 0.0], [20.0, 0.0, 0.0]]
-    assert rows.unpad(padded).view(-1).tolist() == [10.0, 11.0, 20.0]  # (1, N, H, d)
+    assert rows.completions.unpad(padded).view(-1).tolist() == [10.0, 11.0, 20.0]  # (1, n, H, d)
 
 
 def test_which_models_pack():
@@ -65,15 +76,21 @@ def test_packed_pass_matches_the_padded_one(build):
     assert (packed_logps[~real] == 0).all() and (packed_entropy[~real] == 0).all()
 
 
-def test_packed_pass_under_bf16_autocast_matches_the_padded_one():
-    model = tiny_llama().eval()
+@pytest.mark.parametrize("build", [tiny_llama, llama_with_rope_scaling], ids=["llama", "llama3-rope-gqa"])
+def test_packed_pass_under_bf16_autocast_is_as_close_to_float32_as_the_padded_one(build):
+    model = build().eval()
     ids, mask, width = grouped_batch()
     real = mask[:, -width:].bool()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        packed_logps, _ = packed_completion_logps(model, ids, mask, width)
-        logps, _ = token_logps_and_entropy(completion_logits(model, ids, mask, width), ids[:, -width:])
-    # The same bf16 matmuls on the same rows, only fewer of them: identical on this machine.
-    torch.testing.assert_close(packed_logps[real], logps[real], rtol=0, atol=1e-6)
+    with torch.no_grad():
+        exact, _ = packed_completion_logps(model, ids, mask, width)  # float32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            packed, _ = packed_completion_logps(model, ids, mask, width)
+            logits = completion_logits(model, ids, mask, width)  # transformers' SDPA attention in bf16
+            padded, _ = token_logps_and_entropy(logits, ids[:, -width:])
+    packed_error, padded_error = ((x - exact)[real].abs().max() for x in (packed, padded))
+    assert packed_error > 0  # bf16 really was used
+    # Measured: 0.0011 vs 0.0009 (llama), 0.043 vs 0.047 (wide weights); attention here is in float32.
+    assert packed_error <= 2 * padded_error
 
 
 def test_completions_with_holes_are_refused():
