@@ -16,7 +16,10 @@
 - loss pass, padding-free: `logprobs.packed_completion_logps` (only real completion tokens through
   the model) against the padded pass with shared prompts (`completion_logits` and
   `token_logps_and_entropy`), forward + backward, same model; completions of 48 tokens in half
-  the rows and 12 to 45 in the others (mean 38, as in the benchmark's rounds), s per pass.
+  the rows and 12 to 45 in the others (mean 38, as in the benchmark's rounds), s per pass;
+- attention in that pass: `attention.grouped_attention` (float32, query heads grouped) against
+  SDPA (`F.scaled_dot_product_attention` with `enable_gqa`, the math kernel on these short
+  batches), same packed pass, s per pass.
 The two sides of a lever alternate (A, B, B, A, ...), so a machine whose speed drifts favours
 neither; each figure is the median of its repeats.
 """
@@ -28,11 +31,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
+from grpo_hf import packing
+from grpo_hf.attention import grouped_attention
 from grpo_hf.decoding import BlockedLinear, LlamaDecoder, TransformersDecoder
 from grpo_hf.generation_copy import GenerationCopy
 from grpo_hf.logprobs import (
+    attention_kernel,
     completion_logits,
     packed_completion_logps,
     position_ids_from_mask,
@@ -138,23 +145,52 @@ def shared_prompts_lever(
     )
 
 
-def padding_free_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+def bench_completions(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P + C) ids and attention mask: 8 completions of 48 tokens, 8 of 12 to 45 (mean 38)."""
     lengths = torch.cat(
         [torch.full((ROWS // 2,), COMPLETION), torch.linspace(12, 45, ROWS // 2).round().long()]
     )
     real = (torch.arange(COMPLETION) < lengths.unsqueeze(1)).long()  # (B, C)
-    completions = torch.randint(0, policy.config.vocab_size, (ROWS, COMPLETION)) * real
-    input_ids = torch.cat([ids, completions], dim=1)  # (B, P + C)
-    attention = torch.cat([mask, real], dim=1)
+    completions = torch.randint(0, vocab, (ROWS, COMPLETION)) * real
+    return torch.cat([ids, completions], dim=1), torch.cat([mask, real], dim=1)
+
+
+def padding_free_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    input_ids, attention = bench_completions(ids, mask, policy.config.vocab_size)
+    completions, real = input_ids[:, -COMPLETION:], attention[:, -COMPLETION:]
 
     def packed() -> torch.Tensor:
         return packed_completion_logps(policy, input_ids, attention, COMPLETION)[0].sum()
 
     def padded() -> torch.Tensor:
-        logits = completion_logits(policy, input_ids, attention, COMPLETION)  # (B, C, V)
+        with attention_kernel(input_ids):  # as `completion_logps` runs it
+            logits = completion_logits(policy, input_ids, attention, COMPLETION)  # (B, C, V)
         return (token_logps_and_entropy(logits, completions)[0] * real).sum()
 
     return alternate(lambda: fwd_bwd_seconds(packed), lambda: fwd_bwd_seconds(padded), 6)
+
+
+def sdpa(query, key, value, bias, scale=None, dropout=0.0) -> torch.Tensor:
+    """`grouped_attention`'s contract through PyTorch's SDPA."""
+    return F.scaled_dot_product_attention(
+        query, key, value, bias, dropout, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+    )
+
+
+def attention_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    input_ids, attention = bench_completions(ids, mask, policy.config.vocab_size)
+
+    def run(kernel: Callable) -> float:
+        packing.grouped_attention = kernel
+        try:
+            with attention_kernel(input_ids):
+                return fwd_bwd_seconds(
+                    lambda: packed_completion_logps(policy, input_ids, attention, COMPLETION)[0].sum()
+                )
+        finally:
+            packing.grouped_attention = grouped_attention
+
+    return alternate(lambda: run(grouped_attention), lambda: run(sdpa), 6)
 
 
 def main() -> None:
@@ -171,6 +207,7 @@ def main() -> None:
     levers += [
         ("loss pass, shared prompts", "s", shared_prompts_lever(policy, ids, mask)),
         ("loss pass, padding-free", "s", padding_free_lever(policy, ids, mask)),
+        ("packed pass attention", "s", attention_lever(policy, ids, mask)),
     ]
     results = {}
     for name, unit, (ours, plain) in levers:

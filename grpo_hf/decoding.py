@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
+from grpo_hf.attention import grouped_attention
+
 
 class TransformersDecoder:
     """Decoding steps through the model's own forward and the prefill's cache."""
@@ -168,9 +170,7 @@ class LlamaDecoder:
             self.keys[i][:, :, column] = qk[:, self.heads :]
             self.values[i][:, :, column] = v.view(rows, self.kv_heads, self.head_dim)
             keys, values = self.keys[i][:, :, :length], self.values[i][:, :, :length]  # (B, KV, L, D)
-            grouped = q.reshape(rows, self.kv_heads, -1, self.head_dim).float()  # (B, KV, H / KV, D)
-            scores = grouped @ keys.transpose(-1, -2) * self.head_dim**-0.5 + mask  # (B, KV, H / KV, L)
-            attention = (scores.softmax(dim=-1) @ values).to(hidden.dtype).view(rows, q_size)  # (B, H * D)
+            attention = grouped_attention(q.unsqueeze(2), keys, values, mask).view(rows, q_size)  # (B, H * D)
             hidden = hidden + out_proj(attention)
             gate, up = gate_up(_rms_norm(hidden, norm_post, self.eps)).chunk(2, dim=-1)
             hidden = hidden + down(F.silu(gate) * up)

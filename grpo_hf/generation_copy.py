@@ -9,9 +9,8 @@ generation round. Only the sampling distribution is rounded: log-probs for the l
 from the policy, as when a separate inference engine generates.
 
 A Llama-architecture copy decodes through `decoding.LlamaDecoder`. Other models decode through
-their own forward, where the attention of one query token uses plain float32 matmuls
-(`decode_attention`): SDPA's CPU kernels spend ~0.55 ms per layer on the 16 x 77-key attention
-of a decoding step, the matmuls ~0.25 ms. Longer queries (the prompt prefill) go to SDPA as usual.
+their own forward, where the attention of one query token is `attention.grouped_attention`
+(float32, no per-head copies of the cache); longer queries (the prompt prefill) go to SDPA.
 """
 
 import copy
@@ -23,6 +22,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from grpo_hf.attention import grouped_attention
 from grpo_hf.reference import is_peft_model
 
 DECODE_ATTENTION = "grpo_hf_decode"
@@ -47,15 +47,14 @@ def decode_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    batch, heads, _, dim = query.shape
-    groups = key.shape[1]
-    scale = dim**-0.5 if scaling is None else scaling
-    grouped = query.reshape(batch, groups, heads // groups, dim).float()  # (B, KV, H / KV, D)
-    scores = grouped @ key.float().transpose(-1, -2) * scale  # (B, KV, H / KV, L)
-    if attention_mask is not None:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))  # (B, 1, 1, L) broadcasts
-    out = scores.softmax(dim=-1) @ value.float()  # (B, KV, H / KV, D)
-    return out.to(query.dtype).reshape(batch, 1, heads, dim), None
+    bias = (
+        None
+        if attention_mask is None
+        else torch.zeros(attention_mask.shape, device=attention_mask.device).masked_fill_(
+            ~attention_mask, float("-inf")
+        )
+    )
+    return grouped_attention(query, key, value, bias, scaling).transpose(1, 2), None  # (B, 1, H, D)
 
 
 AttentionInterface.register(DECODE_ATTENTION, decode_attention)

@@ -22,9 +22,10 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
+
+from grpo_hf.attention import grouped_attention
 
 PACKED_ATTENTION = "grpo_hf_packed"
 PACKABLE_MODEL_TYPES = frozenset({"llama", "gpt2"})
@@ -78,36 +79,12 @@ class PackedRows:
     def __init__(self, prompt_real: torch.Tensor, row_to_unique: torch.Tensor, completion_real: torch.Tensor):
         self.prompts, self.completions = Padded(prompt_real), Padded(completion_real)
         self.row_to_unique = row_to_unique  # (B,)
-        self.prompt_mask = _bias(_causal(prompt_real))  # (U, 1, P, P)
+        self.prompt_bias = _bias(_causal(prompt_real))  # (U, 1, P, P)
         rows, width = completion_real.shape
         own_prompt = prompt_real[row_to_unique][:, None, :].expand(rows, width, -1)  # (B, C, P)
-        self.completion_mask = _bias(torch.cat([own_prompt, _causal(completion_real)], dim=-1))
-        self.calls = 0  # (B, 1, C, P + C) above: the row's prompt, then its own earlier tokens
-
-
-def _attend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    bias: torch.Tensor,
-    dropout: float,
-    scale: float | None,
-) -> torch.Tensor:
-    """softmax(q k^T * scale + bias) v in float32, each key head shared by its group of query heads.
-
-    query (R, H, W, d); key, value (R, Hkv, L, d); bias (R, 1, W, L), 0 or -inf. The query heads of
-    a group are stacked so each key head is used as it is, without the copies SDPA's math kernel
-    makes to repeat keys and values per query head.
-    """
-    rows, heads, width, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    grouped = query.reshape(rows, kv_heads, heads // kv_heads * width, dim).float()  # (R, Hkv, G * W, d)
-    scores = (
-        grouped @ key.float().transpose(-1, -2) * (dim**-0.5 if scale is None else scale)
-    )  # (R, Hkv, G * W, L)
-    scores = scores.view(rows, kv_heads, heads // kv_heads, width, length) + bias.unsqueeze(2)
-    probs = F.dropout(scores.softmax(dim=-1), dropout).view(rows, kv_heads, -1, length)  # (R, Hkv, G * W, L)
-    return (probs @ value.float()).view(rows, heads, width, dim).to(query.dtype)  # (R, H, W, d)
+        # (B, 1, C, P + C): the row's prompt, then its own earlier tokens
+        self.completion_bias = _bias(torch.cat([own_prompt, _causal(completion_real)], dim=-1))
+        self.calls = 0
 
 
 def packed_attention(
@@ -126,22 +103,19 @@ def packed_attention(
         raise RuntimeError(f"attention implementation {PACKED_ATTENTION!r} needs packed_rows")
     packed_rows.calls += 1
     prompts, completions, split = packed_rows.prompts, packed_rows.completions, packed_rows.prompts.count
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return _attend(q, k, v, mask, dropout, scaling)
-
     prompt_q, prompt_k, prompt_v = (prompts.pad(x[:, :, :split]) for x in (query, key, value))  # (U, ., P, d)
-    prompt_out = attend(prompt_q, prompt_k, prompt_v, packed_rows.prompt_mask)  # (U, H, P, d)
+    prompt_out = grouped_attention(prompt_q, prompt_k, prompt_v, packed_rows.prompt_bias, scaling, dropout)
     index = packed_rows.row_to_unique
-    completion_out = attend(  # (B, H, C, d)
+    completion_out = grouped_attention(  # (B, H, C, d)
         completions.pad(query[:, :, split:]),
         torch.cat([prompt_k[index], completions.pad(key[:, :, split:])], dim=2),  # (B, Hkv, P + C, d)
         torch.cat([prompt_v[index], completions.pad(value[:, :, split:])], dim=2),
-        packed_rows.completion_mask,
+        packed_rows.completion_bias,
+        scaling,
+        dropout,
     )
-    return torch.cat(
-        [prompts.unpad(prompt_out), completions.unpad(completion_out)], dim=1
-    ), None  # (1, n, H, d)
+    out = torch.cat([prompts.unpad(prompt_out), completions.unpad(completion_out)], dim=1)  # (1, n, H, d)
+    return out, None
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)

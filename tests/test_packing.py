@@ -6,8 +6,7 @@ import pytest
 import torch
 from test_decoding import llama_with_rope_scaling
 from test_logprobs import grouped_batch
-from tiny_models import tiny_gpt2, tiny_llama
-from transformers import MistralConfig, MistralForCausalLM
+from tiny_models import tiny_gpt2, tiny_llama, tiny_mistral
 
 from grpo_hf import packing
 from grpo_hf.logprobs import (
@@ -19,15 +18,6 @@ from grpo_hf.logprobs import (
 from grpo_hf.packing import PackedRows, can_pack
 
 
-def tiny_mistral() -> MistralForCausalLM:
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
-    )  # fmt: skip
-    return MistralForCausalLM(config)
-
-
 def test_layout_of_two_rows_by_hand():
     prompt_real = torch.tensor([[0, 1], [1, 1]]).bool()  # (U, P) = (2, 2): prompt 0 left-padded
     completion_real = torch.tensor([[1, 1, 0], [1, 0, 0]]).bool()  # (B, C) = (2, 3): 3 real tokens
@@ -35,14 +25,14 @@ def test_layout_of_two_rows_by_hand():
     assert rows.prompts.flat_index.tolist() == [1, 2, 3]  # row * P + column
     assert rows.completions.flat_index.tolist() == [0, 1, 3]  # row * C + column
     # Prompts: causal over real tokens; a padding query sees only itself (no empty softmax row).
-    assert (rows.prompt_mask[:, 0] == 0).int().tolist() == [[[1, 0], [0, 1]], [[1, 0], [1, 1]]]
+    assert (rows.prompt_bias[:, 0] == 0).int().tolist() == [[[1, 0], [0, 1]], [[1, 0], [1, 1]]]
     # Completions: the row's prompt, then its own tokens up to the query; padding queries also see themselves.
-    assert (rows.completion_mask[0, 0] == 0).int().tolist() == [
+    assert (rows.completion_bias[0, 0] == 0).int().tolist() == [
         [0, 1, 1, 0, 0],
         [0, 1, 1, 1, 0],
         [0, 1, 1, 1, 1],
     ]
-    assert (rows.completion_mask[1, 0] == 0).int().tolist() == [
+    assert (rows.completion_bias[1, 0] == 0).int().tolist() == [
         [1, 1, 1, 0, 0],
         [1, 1, 1, 1, 0],
         [1, 1, 1, 0, 1],

@@ -2,7 +2,15 @@
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -56,3 +64,19 @@ def tiny_gpt2(seed: int = 0, vocab_size: int = 259) -> GPT2LMHeadModel:
         bos_token_id=1,
     )
     return GPT2LMHeadModel(config)
+
+
+def tiny_mistral() -> MistralForCausalLM:
+    """A Llama-like model with a sliding window (4096 by default): not packable."""
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=259,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+    )
+    return MistralForCausalLM(config)

@@ -1,0 +1,41 @@
+"""Attention in float32 with grouped query heads, for the short sequences of GRPO on a CPU.
+
+Used by the padding-free loss passes (`packing`) and by both decoding paths (`decoding`,
+`generation_copy`). The query heads that share a key head are stacked into one matrix, so each key
+and value head is multiplied as it is, without the per-query-head copies SDPA's math kernel makes
+for grouped-query attention, and without that kernel's mask conversions and checks
+(`bench/levers.py` times a padding-free loss pass with each). Scores, softmax and the weighted
+sum are float32 whatever the input dtype (bf16 under autocast), so the result is at least as
+accurate as transformers' bf16 attention.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def grouped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v, each key head shared by its group of query heads.
+
+    query (R, H, W, d); key, value (R, Hkv, L, d) with H a multiple of Hkv (head h uses key head
+    h // (H / Hkv), as transformers' `repeat_kv`); bias broadcastable to (R, 1, W, L), 0 where a
+    query may attend and -inf where not. Returns (R, H, W, d) in the query's dtype.
+    """
+    rows, heads, width, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    grouped = query.reshape(rows, kv_heads, group * width, dim).float()  # (R, Hkv, G * W, d)
+    scale = dim**-0.5 if scale is None else scale
+    scores = (grouped @ key.float().transpose(-1, -2) * scale).view(rows, kv_heads, group, width, length)
+    if bias is not None:
+        scores = scores + bias.unsqueeze(2)  # (R, 1, 1, W, L) broadcasts over key heads and groups
+    probs = scores.softmax(dim=-1).view(rows, kv_heads, group * width, length)  # (R, Hkv, G * W, L)
+    if dropout:
+        probs = F.dropout(probs, dropout)
+    return (probs @ value.float()).view(rows, heads, width, dim).to(query.dtype)  # (R, H, W, d)
