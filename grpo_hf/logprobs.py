@@ -112,33 +112,88 @@ def completion_logits(
     return torch.cat([first.unsqueeze(1), out.logits[:, :-1]], dim=1)  # (B, C, V)
 
 
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A float32 copy of (c, V) logits divided by the temperature."""
+    scaled = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    return scaled if temperature == 1.0 else scaled.div_(temperature)
+
+
+class _TokenLogps(torch.autograd.Function):
+    """log softmax(logits / T) at the targets, and the entropy of softmax(logits / T), per token.
+
+    Forward and backward walk the (M, V) logits `TOKENS_PER_CHUNK` rows at a time in float32 and
+    keep only the logits (in their own dtype) and two numbers per token for backward, which
+    recomputes the softmax. Autograd through the plain ops would keep a float32 copy of the logits
+    and the softmax of every chunk until backward, and take about twice the passes over them.
+    Gradients, with p = softmax(z), z = logits / T and H the entropy:
+    d log p_t / dz = onehot(t) - p;  dH / dz = -p * (log p + H).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+        with torch.autocast(logits.device.type, enabled=False):  # float32 throughout, bmm included
+            return _TokenLogps._forward(ctx, logits, targets, temperature, with_entropy)
+
+    @staticmethod
+    def _forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+        rows = logits.shape[0]
+        logps = logits.new_empty(rows, dtype=torch.float32)  # (M,)
+        log_norms = torch.empty_like(logps)  # (M,) logsumexp(z)
+        entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+        for start in range(0, rows, TOKENS_PER_CHUNK):
+            chunk = slice(start, start + TOKENS_PER_CHUNK)
+            z = _scaled(logits[chunk], temperature)  # (c, V)
+            top = z.amax(dim=-1, keepdim=True)  # (c, 1)
+            z -= top
+            e = z.exp()  # (c, V)
+            total = e.sum(dim=-1)  # (c,)
+            log_total = total.log()
+            logps[chunk] = z.gather(-1, targets[chunk].unsqueeze(-1)).squeeze(-1) - log_total
+            log_norms[chunk] = top.squeeze(-1) + log_total
+            if with_entropy:  # H = log sum e - sum(e z) / sum e, with z shifted by its max
+                weighted = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1)  # (c,)
+                entropy[chunk] = log_total - weighted / total
+        ctx.save_for_backward(logits, targets, log_norms, entropy)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
+            return _TokenLogps._backward(ctx, grad_logps, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        logits, targets, log_norms, entropy = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # (M, V)
+        for start in range(0, logits.shape[0], TOKENS_PER_CHUNK):
+            chunk = slice(start, start + TOKENS_PER_CHUNK)
+            log_p = _scaled(logits[chunk], ctx.temperature).sub_(log_norms[chunk].unsqueeze(-1))  # (c, V)
+            p = log_p.exp()
+            g = torch.zeros_like(p) if grad_logps is None else p * -grad_logps[chunk].unsqueeze(-1)
+            if grad_entropy is not None:  # -p * (log p + H) * dL/dH
+                g -= p * (log_p + entropy[chunk].unsqueeze(-1)) * grad_entropy[chunk].unsqueeze(-1)
+            if grad_logps is not None:
+                g.scatter_add_(-1, targets[chunk].unsqueeze(-1), grad_logps[chunk].unsqueeze(-1))
+            grad[chunk] = g if ctx.temperature == 1.0 else g / ctx.temperature
+        return grad, None, None, None
+
+
 def token_logps_and_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
-    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) (...) and optionally the token entropy (...) of logits (..., V), in float32.
 
-    Tokens go through in chunks of `TOKENS_PER_CHUNK`, so without autograd only one chunk's float32
-    copy of the logits exists at a time. The entropy carries gradients only with `entropy_grad` (an
-    entropy bonus); as a metric it would otherwise keep a (chunk, V) softmax alive until backward.
+    Both carry gradients to the logits (the entropy's cost nothing unless something uses it, such
+    as an entropy bonus); see `_TokenLogps`.
     """
     flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # (M, V), (M,)
-    logps, entropies = [], []
-    for chunk_logits, chunk_targets in zip(
-        flat_logits.split(TOKENS_PER_CHUNK), flat_targets.split(TOKENS_PER_CHUNK), strict=True
-    ):
-        scaled = chunk_logits.float() if temperature == 1.0 else chunk_logits.float() / temperature  # (c, V)
-        log_norm = torch.logsumexp(scaled, dim=-1)  # (c,)
-        logps.append(scaled.gather(-1, chunk_targets.unsqueeze(-1)).squeeze(-1) - log_norm)
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                probs = torch.softmax(scaled, dim=-1)  # (c, V)
-                entropies.append(log_norm - (probs * scaled).sum(dim=-1))
-    entropy = torch.cat(entropies).view(targets.shape) if with_entropy else None
-    return torch.cat(logps).view(targets.shape), entropy
+    logps, entropy = _TokenLogps.apply(flat_logits, flat_targets, temperature, with_entropy)
+    return logps.view(targets.shape), entropy.view(targets.shape) if with_entropy else None
 
 
 def packed_completion_logps(
@@ -148,7 +203,6 @@ def packed_completion_logps(
     completion_length: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
-    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`completion_logps` in one model call on the batch's real tokens (see `packing`); 0 at padding.
 
@@ -176,10 +230,10 @@ def packed_completion_logps(
     )
     unique = first.shape[0]
     scores = token_logps_and_entropy(  # (B,) each: the first completion tokens
-        logits[:unique][row_to_unique], completion[:, 0], temperature, with_entropy, entropy_grad
+        logits[:unique][row_to_unique], completion[:, 0], temperature, with_entropy
     )
     rest = token_logps_and_entropy(  # (K,) each: the later real completion tokens
-        logits[unique:], completion[:, 1:][real[:, 1:]], temperature, with_entropy, entropy_grad
+        logits[unique:], completion[:, 1:][real[:, 1:]], temperature, with_entropy
     )
     logps, entropy = (
         None
@@ -199,7 +253,6 @@ def completion_logps(
     completion_length: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
-    entropy_grad: bool = False,
     gradient_checkpointing: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of the last C tokens of input_ids under `model`, and their entropy if asked.
@@ -216,14 +269,8 @@ def completion_logps(
         with attention_kernel(input_ids):
             if can_pack(model):
                 return packed_completion_logps(
-                    model,
-                    input_ids,
-                    attention_mask,
-                    completion_length,
-                    temperature,
-                    with_entropy,
-                    entropy_grad,
+                    model, input_ids, attention_mask, completion_length, temperature, with_entropy
                 )
             logits = completion_logits(model, input_ids, attention_mask, completion_length)  # (B, C, V)
     targets = input_ids[:, -completion_length:]  # (B, C)
-    return token_logps_and_entropy(logits, targets, temperature, with_entropy, entropy_grad)
+    return token_logps_and_entropy(logits, targets, temperature, with_entropy)

@@ -283,7 +283,6 @@ class GRPOTrainer(Trainer):
             batch["completion_mask"].shape[1],
             self.args.temperature,
             with_entropy=with_entropy,
-            entropy_grad=with_entropy and self.args.entropy_coef > 0,
             gradient_checkpointing=self.args.gradient_checkpointing,
         )
 

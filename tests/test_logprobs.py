@@ -64,18 +64,47 @@ def test_no_entropy_unless_asked():
     assert logps.shape == (1, 2)
 
 
-def test_entropy_carries_grad_only_with_entropy_grad():
-    logits = torch.randn(2, 3, 5, requires_grad=True)  # (B, C, V)
-    targets = torch.zeros(2, 3, dtype=torch.long)  # (B, C)
-    logps, entropy = token_logps_and_entropy(logits, targets, with_entropy=True)
-    assert logps.requires_grad and not entropy.requires_grad  # a metric: no (C, V) graph kept
-    _, entropy = token_logps_and_entropy(logits, targets, with_entropy=True, entropy_grad=True)
-    assert entropy.requires_grad  # an entropy bonus: gradients flow
-    (grad,) = torch.autograd.grad(entropy.sum(), logits)
-    assert grad.abs().sum() > 0
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_gradients_of_logps_and_entropy_match_finite_differences(temperature, monkeypatch):
+    monkeypatch.setattr(logprobs, "TOKENS_PER_CHUNK", 2)  # 5 tokens: chunks of 2, 2 and 1
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)  # (M, V)
+    targets = torch.tensor([0, 3, 6, 2, 2])
+    # gradcheck needs float64 throughout; the function computes in float32, so cast around it.
+    torch.autograd.gradcheck(
+        lambda x: token_logps_and_entropy(x, targets, temperature, with_entropy=True),
+        (logits,),
+        eps=1e-3,
+        atol=2e-3,
+        rtol=1e-2,
+    )
+
+
+def test_gradients_match_autograd_through_log_softmax():
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 3, 11)).requires_grad_()  # (B, C, V)
+    targets = torch.randint(0, 11, (2, 3))
+    weights = torch.randn(2, 2, 3)  # arbitrary upstream gradients for log-probs and entropy
+    logps, entropy = token_logps_and_entropy(logits, targets, 0.8, with_entropy=True)
+    both = (logps * weights[0]).sum() + (entropy * weights[1]).sum()
+    (ours,) = torch.autograd.grad(both, logits, retain_graph=True)
+    want_logps, want_entropy = direct(logits, targets, 0.8)
+    want_both = (want_logps * weights[0]).sum() + (want_entropy * weights[1]).sum()
+    (want,) = torch.autograd.grad(want_both, logits, retain_graph=True)
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-6)
+    (logps_only,) = torch.autograd.grad((logps * weights[0]).sum(), logits)  # entropy unused: no term
+    (want_logps_only,) = torch.autograd.grad((want_logps * weights[0]).sum(), logits)
+    torch.testing.assert_close(logps_only, want_logps_only, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_logits_get_bf16_gradients_and_nothing_is_kept_without_grad():
+    logits = torch.randn(4, 9).to(torch.bfloat16).requires_grad_()
+    logps, _ = token_logps_and_entropy(logits, torch.zeros(4, dtype=torch.long))
+    (grad,) = torch.autograd.grad(logps.sum(), logits)
+    assert grad.dtype == torch.bfloat16
     with torch.no_grad():
-        _, entropy = token_logps_and_entropy(logits, targets, with_entropy=True, entropy_grad=True)
-    assert not entropy.requires_grad
+        logps, entropy = token_logps_and_entropy(logits, torch.zeros(4, dtype=torch.long), with_entropy=True)
+    assert not logps.requires_grad and not entropy.requires_grad
 
 
 def test_position_ids_skip_left_padding():
