@@ -97,6 +97,22 @@ def test_gradients_match_autograd_through_log_softmax():
     torch.testing.assert_close(logps_only, want_logps_only, rtol=1e-5, atol=1e-6)
 
 
+def test_logits_far_below_the_max_change_nothing():
+    """Shifted logits below EXP_FLOOR (-87) are clamped before exp: no effect on values or gradients."""
+    torch.manual_seed(0)
+    logits = torch.cat([torch.zeros(3, 1), -300 * torch.rand(3, 50), torch.randn(3, 4)], dim=1)  # (M, V)
+    logits.requires_grad_()
+    targets = torch.tensor([0, 20, 52])  # the max, a token at about -120, an ordinary one
+    logps, entropy = token_logps_and_entropy(logits, targets, with_entropy=True)
+    want_logps, want_entropy = direct(logits, targets)  # log_softmax: no clamping
+    assert want_logps[1] < -100  # the target far below the max keeps its exact log-prob
+    torch.testing.assert_close(logps, want_logps, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-6, atol=1e-6)
+    (grad,) = torch.autograd.grad(logps.sum() + entropy.sum(), logits, retain_graph=True)
+    (want,) = torch.autograd.grad(want_logps.sum() + want_entropy.sum(), logits)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+
+
 def test_bf16_logits_get_bf16_gradients_and_nothing_is_kept_without_grad():
     logits = torch.randn(4, 9).to(torch.bfloat16).requires_grad_()
     logps, _ = token_logps_and_entropy(logits, torch.zeros(4, dtype=torch.long))
