@@ -42,8 +42,6 @@ from grpo_hf.logprobs import (
     attention_kernel,
     completion_logits,
     packed_completion_logps,
-    position_ids_from_mask,
-    prefill_prompts,
     token_logps_and_entropy,
 )
 from grpo_hf.models import DEFAULT_MODEL, load_model
@@ -80,16 +78,11 @@ def sampling_lever(vocab: int) -> tuple[float, float]:
 @torch.no_grad()
 def decoding_lever(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
     copy = GenerationCopy(model, torch.bfloat16).refresh()
-    first = position_ids_from_mask(mask)[:, -1:] + 1  # (B, 1)
     token = torch.randint(0, copy.config.vocab_size, (ROWS,))
 
     def per_step(kind: type) -> float:
-        cache = prefill_prompts(copy, ids, mask)[1]
-        decoder = (
-            kind(copy, cache, mask, first, COMPLETION)
-            if kind is LlamaDecoder
-            else kind(copy, cache, mask, first)
-        )
+        decoder = kind(copy, COMPLETION) if kind is LlamaDecoder else kind(copy)
+        decoder.prefill(ids, mask)
         return seconds(lambda: decoder(token), COMPLETION - 1) * 1e3
 
     return alternate(lambda: per_step(LlamaDecoder), lambda: per_step(TransformersDecoder), 4)

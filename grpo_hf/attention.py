@@ -39,3 +39,16 @@ def grouped_attention(
     if dropout:
         probs = F.dropout(probs, dropout)
     return (probs @ value.float()).view(rows, heads, width, dim).to(query.dtype)  # (R, H, W, d)
+
+
+def causal_allowed(real: torch.Tensor) -> torch.Tensor:
+    """(R, W, W) bool: query i sees real keys j <= i; padding queries see themselves (no empty row)."""
+    width = real.shape[1]
+    lower = torch.ones(width, width, dtype=torch.bool, device=real.device).tril()  # (W, W)
+    return (lower & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=real.device)
+
+
+def bias_from(allowed: torch.Tensor) -> torch.Tensor:
+    """(R, W, L) bool -> (R, 1, W, L) float32 attention bias: 0 where allowed, -inf elsewhere."""
+    bias = torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return bias.unsqueeze(1)

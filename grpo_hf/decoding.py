@@ -1,40 +1,42 @@
-"""Decoding steps after the prompt prefill: one new token per row in, next-token logits out.
+"""Prompt prefill and decoding steps: prompts in, then one new token per row, next-token logits out.
 
 Generation is most of GRPO's cost. Through the transformers module stack a decoding step of a
 small model pays for many small tensor operations per layer, a `DynamicCache` that concatenates
 every layer's keys and values at every step, and (with the float32 decode attention of
-`generation_copy`) a cast of the whole cache each time. For Llama-architecture models (`LlamaForCausalLM`:
-SmolLM2, Llama 2/3, TinyLlama, ...) `LlamaDecoder` runs the same computation directly on the
-model's weights:
+`generation_copy`) a cast of the whole cache each time. For Llama-architecture models
+(`LlamaForCausalLM`: SmolLM2, Llama 2/3, TinyLlama, ...) `LlamaDecoder` runs the same computation
+directly on the model's weights:
 - q/k/v and gate/up projections are one matmul each, on weights reordered once per generation
-  round into oneDNN's blocked layout on a CPU (`BlockedLinear`);
-- keys and values go into a float32 cache allocated once for the whole completion, and the
-  attention of the one query token is two float32 matmuls over it;
+  round into oneDNN's blocked layout on a CPU (`BlockedLinear`), for the prompt prefill too;
+- each distinct prompt is prefilled once; keys and values go into a float32 cache allocated once
+  for the whole completion, and attention is `attention.grouped_attention` over it;
 - RMSNorm, RoPE and the residual stream round exactly where transformers' Llama does (tests
   compare logits step by step).
-Any other model (GPT-2, a PEFT wrapper with unmerged adapters, sharded parameters) decodes
-through `model(...)` with the prefill's `DynamicCache` (`TransformersDecoder`). On the benchmark's
-shapes (SmolLM2-135M in bf16, 16 rows) a step takes 42.6 ms instead of 49.8 ms
-(`bench/levers.py`, 2 CPU cores); most of what is left is reading the weights.
+Any other model (GPT-2, a PEFT wrapper with unmerged adapters, sharded parameters) prefills and
+decodes through `model(...)` with a `DynamicCache` (`TransformersDecoder`). `bench/levers.py`
+times a step of each on the benchmark's shapes.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
 
-from grpo_hf.attention import grouped_attention
+from grpo_hf.attention import bias_from, causal_allowed, grouped_attention
+from grpo_hf.logprobs import position_ids_from_mask, prefill_prompts, unique_rows
 
 
 class TransformersDecoder:
-    """Decoding steps through the model's own forward and the prefill's cache."""
+    """Prefill and decoding steps through the model's own forward and a `DynamicCache`."""
 
-    def __init__(
-        self, model: nn.Module, cache: DynamicCache, prompt_mask: torch.Tensor, first_position: torch.Tensor
-    ):
-        self.model, self.cache = model, cache
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """Run the (B, P) left-padded prompts (each distinct one once); (B, V) float32 next-token logits."""
+        logits, self.cache = prefill_prompts(self.model, prompt_ids, prompt_mask)
         self.attention = prompt_mask  # (B, P + t)
-        self.position = first_position  # (B, 1)
+        self.position = position_ids_from_mask(prompt_mask)[:, -1:] + 1  # (B, 1)
+        return logits.float()
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """Feed (B,) tokens; (B, V) float32 logits for the next ones."""
@@ -117,43 +119,78 @@ def _layer_weights(layer: nn.Module, rows: int) -> tuple:
 
 
 class LlamaDecoder:
-    """Decoding steps of a `LlamaForCausalLM` on its weights, with a preallocated float32 KV cache."""
+    """Prefill and decoding steps of a `LlamaForCausalLM` on its weights, with a float32 KV cache."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        cache: DynamicCache,
-        prompt_mask: torch.Tensor,
-        first_position: torch.Tensor,
-        max_new_tokens: int,
-    ):
+    def __init__(self, model: nn.Module, max_new_tokens: int):
         config = model.config
+        self.model, self.max_new_tokens = model, max_new_tokens
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
-        rows, prompt_length = prompt_mask.shape
+
+    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """Run the (B, P) left-padded prompts (each distinct one once); (B, V) float32 next-token logits."""
+        model, (rows, prompt_length) = self.model, prompt_ids.shape
         self.lm_head = BlockedLinear(model.lm_head.weight, rows)
         self.layers = [
-            _layer_weights(layer, rows) for layer in model.model.layers[: config.num_hidden_layers]
+            _layer_weights(layer, rows) for layer in model.model.layers[: model.config.num_hidden_layers]
         ]
-        width = prompt_length + max_new_tokens
-        self.keys, self.values = [], []
-        for layer in cache.layers[: len(self.layers)]:
-            keys = layer.keys.new_empty((rows, self.kv_heads, width, self.head_dim), dtype=torch.float32)
-            values = torch.empty_like(keys)  # (B, KV, P + N, D)
-            keys[:, :, :prompt_length] = layer.keys
-            values[:, :, :prompt_length] = layer.values
-            self.keys.append(keys)
-            self.values.append(values)
+        width = prompt_length + self.max_new_tokens
+        shape = (rows, self.kv_heads, width, self.head_dim)
+        self.keys = [
+            self.embed.new_empty(shape, dtype=torch.float32) for _ in self.layers
+        ]  # (B, KV, P + N, D)
+        self.values = [torch.empty_like(keys) for keys in self.keys]
         self.mask = torch.zeros((rows, 1, 1, width), device=prompt_mask.device)  # (B, 1, 1, P + N)
         self.mask[:, 0, 0, :prompt_length].masked_fill_(prompt_mask == 0, float("-inf"))
-        positions = first_position + torch.arange(max_new_tokens, device=prompt_mask.device)  # (B, N)
+        first_position = position_ids_from_mask(prompt_mask)[:, -1:] + 1  # (B, 1)
+        positions = first_position + torch.arange(self.max_new_tokens, device=prompt_mask.device)  # (B, N)
         cos, sin = model.model.rotary_emb(self.embed, positions)  # (B, N, D) each, in the weights' dtype
         self.cos, self.sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, N, 1, D)
         self.prompt_length, self.step = prompt_length, 0
+
+        first, row_to_unique = unique_rows(prompt_ids, prompt_mask)  # (U,), (B,)
+        real = prompt_mask[first].bool()  # (U, P)
+        cos, sin = model.model.rotary_emb(self.embed, position_ids_from_mask(real))  # (U, P, D) each
+        bias = bias_from(causal_allowed(real))  # (U, 1, P, P)
+        hidden = F.embedding(prompt_ids[first], self.embed)  # (U, P, E)
+        for i in range(len(self.layers)):
+            hidden = self._prefill_layer(i, hidden, cos.unsqueeze(2), sin.unsqueeze(2), bias, row_to_unique)
+        return self.lm_head(_rms_norm(hidden[:, -1], self.final_norm, self.eps)).float()[
+            row_to_unique
+        ]  # (B, V)
+
+    def _prefill_layer(
+        self,
+        i: int,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        bias: torch.Tensor,
+        row_to_unique: torch.Tensor,
+    ) -> torch.Tensor:
+        """Layer i on (U, P, E) prompts; writes their keys and values into every row of the cache."""
+        norm_in, qkv, out_proj, norm_post, gate_up, down = self.layers[i]
+        units, length, width = hidden.shape
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        qk, v = qkv(_rms_norm(hidden, norm_in, self.eps).view(-1, width)).split(
+            [q_size + kv_size, kv_size], -1
+        )
+        qk = _rotate(qk.view(units, length, -1, self.head_dim), cos, sin)  # (U, P, H + KV, D)
+        q, k = (
+            qk[:, :, : self.heads].transpose(1, 2),
+            qk[:, :, self.heads :].transpose(1, 2),
+        )  # (U, H|KV, P, D)
+        v = v.view(units, length, self.kv_heads, self.head_dim).transpose(1, 2)  # (U, KV, P, D)
+        self.keys[i][:, :, :length] = k[row_to_unique]
+        self.values[i][:, :, :length] = v[row_to_unique]
+        attention = grouped_attention(q, k, v, bias).transpose(1, 2).reshape(-1, q_size)  # (U * P, H * D)
+        hidden = hidden + out_proj(attention).view(units, length, width)
+        gate, up = gate_up(_rms_norm(hidden, norm_post, self.eps).view(-1, width)).chunk(2, dim=-1)
+        return hidden + down(F.silu(gate) * up).view(units, length, width)
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """Feed (B,) tokens; (B, V) float32 logits for the next ones."""
@@ -178,14 +215,8 @@ class LlamaDecoder:
         return self.lm_head(_rms_norm(hidden, self.final_norm, self.eps)).float()  # (B, V)
 
 
-def decoder_for(
-    model: nn.Module,
-    cache: DynamicCache,
-    prompt_mask: torch.Tensor,
-    first_position: torch.Tensor,
-    max_new_tokens: int,
-) -> LlamaDecoder | TransformersDecoder:
-    """The decoding steps for `model` after a prefill; `first_position` (B, 1) is the first new token's."""
+def decoder_for(model: nn.Module, max_new_tokens: int) -> LlamaDecoder | TransformersDecoder:
+    """The prefill and decoding steps for `model`, for completions of up to `max_new_tokens`."""
     if is_plain_llama(model):
-        return LlamaDecoder(model, cache, prompt_mask, first_position, max_new_tokens)
-    return TransformersDecoder(model, cache, prompt_mask, first_position)
+        return LlamaDecoder(model, max_new_tokens)
+    return TransformersDecoder(model)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 
-from grpo_hf.attention import grouped_attention
+from grpo_hf.attention import bias_from, causal_allowed, grouped_attention
 
 PACKED_ATTENTION = "grpo_hf_packed"
 PACKABLE_MODEL_TYPES = frozenset({"llama", "gpt2"})
@@ -54,20 +54,6 @@ class Padded:
         return states.transpose(1, 2).reshape(rows * width, heads, dim)[self.flat_index].unsqueeze(0)
 
 
-def _causal(real: torch.Tensor) -> torch.Tensor:
-    """(R, W, W): query i sees real keys j <= i, and padding queries see themselves (no empty rows)."""
-    width = real.shape[1]
-    lower = torch.ones(width, width, dtype=torch.bool, device=real.device).tril()  # (W, W)
-    return (lower & real[:, None, :]) | torch.eye(width, dtype=torch.bool, device=real.device)
-
-
-def _bias(allowed: torch.Tensor) -> torch.Tensor:
-    """(R, W, L) bool -> (R, 1, W, L) float32 attention bias: 0 where allowed, -inf elsewhere."""
-    return (
-        torch.zeros(allowed.shape, device=allowed.device).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
-    )
-
-
 class PackedRows:
     """The packed row: U distinct prompts' real tokens, then the real tokens of B completions.
 
@@ -79,11 +65,11 @@ class PackedRows:
     def __init__(self, prompt_real: torch.Tensor, row_to_unique: torch.Tensor, completion_real: torch.Tensor):
         self.prompts, self.completions = Padded(prompt_real), Padded(completion_real)
         self.row_to_unique = row_to_unique  # (B,)
-        self.prompt_bias = _bias(_causal(prompt_real))  # (U, 1, P, P)
+        self.prompt_bias = bias_from(causal_allowed(prompt_real))  # (U, 1, P, P)
         rows, width = completion_real.shape
         own_prompt = prompt_real[row_to_unique][:, None, :].expand(rows, width, -1)  # (B, C, P)
         # (B, 1, C, P + C): the row's prompt, then its own earlier tokens
-        self.completion_bias = _bias(torch.cat([own_prompt, _causal(completion_real)], dim=-1))
+        self.completion_bias = bias_from(torch.cat([own_prompt, causal_allowed(completion_real)], dim=-1))
         self.calls = 0
 
 

@@ -21,7 +21,6 @@ from transformers.generation.logits_process import (
 )
 
 from grpo_hf.decoding import decoder_for
-from grpo_hf.logprobs import position_ids_from_mask, prefill_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -219,15 +218,13 @@ def _decode(
     model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig
 ) -> torch.Tensor:
     """The sampling loop; returns (B, C) new tokens, C <= max_new_tokens."""
-    logits, cache = prefill_prompts(model, prompt_ids, prompt_mask)  # (B, V)
-    logits = logits.float()
+    decoder = decoder_for(model, config.max_new_tokens)
+    logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
     processors = logits_processors(config)
     eos = torch.tensor(
         config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id],
         device=prompt_ids.device,
     )
-    first_position = position_ids_from_mask(prompt_mask)[:, -1:] + 1  # (B, 1)
-    decoder = decoder_for(model, cache, prompt_mask, first_position, config.max_new_tokens)
     sequence = prompt_ids
     done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
     new_tokens = []

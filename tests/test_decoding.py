@@ -7,7 +7,6 @@ from tiny_models import tiny_gpt2, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_hf.decoding import BlockedLinear, LlamaDecoder, TransformersDecoder, decoder_for, is_plain_llama
-from grpo_hf.logprobs import position_ids_from_mask, prefill_prompts
 
 
 def llama_with_rope_scaling() -> LlamaForCausalLM:
@@ -45,11 +44,10 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decoders(model, ids, mask, steps):
-    first = position_ids_from_mask(mask)[:, -1:] + 1  # (B, 1)
-    logits_a, cache_a = prefill_prompts(model, ids, mask)
-    logits_b, cache_b = prefill_prompts(model, ids, mask)
-    assert torch.equal(logits_a, logits_b)
-    return LlamaDecoder(model, cache_a, mask, first, steps), TransformersDecoder(model, cache_b, mask, first)
+    """Ours and transformers' decoders after the same prefill, whose logits must agree too."""
+    ours, theirs = LlamaDecoder(model, steps), TransformersDecoder(model)
+    first_ours, first_theirs = ours.prefill(ids, mask), theirs.prefill(ids, mask)
+    return ours, theirs, first_ours, first_theirs
 
 
 @pytest.mark.parametrize("build", [tiny_llama, llama_with_rope_scaling], ids=["llama", "llama3-rope-gqa"])
@@ -57,7 +55,8 @@ def decoders(model, ids, mask, steps):
 def test_llama_decoder_gives_the_models_logits_at_every_step(build):
     model = build().eval()
     ids, mask = prompts()
-    ours, theirs = decoders(model, ids, mask, steps=12)
+    ours, theirs, first_ours, first_theirs = decoders(model, ids, mask, steps=12)
+    torch.testing.assert_close(first_ours, first_theirs, rtol=1e-5, atol=1e-5)
     generator = torch.Generator().manual_seed(0)
     for _ in range(11):
         token = torch.randint(3, 259, (4,), generator=generator)
@@ -72,14 +71,14 @@ def test_llama_decoder_in_bf16_rounds_where_transformers_does():
     """
     model = llama_with_rope_scaling().to(torch.bfloat16).eval()
     ids, mask = prompts()
-    ours, theirs = decoders(model, ids, mask, steps=24)
+    ours, theirs, first_ours, first_theirs = decoders(model, ids, mask, steps=24)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(23):
+    for step in range(24):
         token = torch.randint(3, 259, (4,), generator=generator)
-        expected = theirs(token)
+        expected = first_theirs if step == 0 else theirs(token)
         ulp = 2.0 ** (torch.floor(torch.log2(expected.abs().max())) - 7)  # bf16 spacing at the largest logit
-        gap = (ours(token) - expected).abs().max()
-        assert gap <= 8 * ulp  # measured: 1.4 to 4 ulps over these 23 steps
+        gap = ((first_ours if step == 0 else ours(token)) - expected).abs().max()
+        assert gap <= 8 * ulp  # measured: the prefill and 1.4 to 4 ulps over these 23 steps
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -98,8 +97,6 @@ def test_reordered_weights_multiply_like_plain_ones(dtype):
 
 
 def test_decoder_for_uses_the_llama_step_only_where_it_reproduces_the_model():
-    ids, mask = prompts()
-    first = position_ids_from_mask(mask)[:, -1:] + 1
     lora = get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"]))  # adapters not merged
     biased = tiny_llama()
     biased.config.attention_bias = True
@@ -108,9 +105,7 @@ def test_decoder_for_uses_the_llama_step_only_where_it_reproduces_the_model():
         (tiny_gpt2(), TransformersDecoder),
         (lora, TransformersDecoder),
     ]:
-        with torch.no_grad():
-            cache = prefill_prompts(model, ids, mask)[1]
-        assert isinstance(decoder_for(model, cache, mask, first, 3), expected)
+        assert isinstance(decoder_for(model, 3), expected)
     dynamic_rope = tiny_llama()
     dynamic_rope.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     assert is_plain_llama(tiny_llama()) and not is_plain_llama(biased) and not is_plain_llama(dynamic_rope)
