@@ -34,20 +34,21 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+# Sizes shared by the tiny Llama-like models: 2 layers, 4 query heads over 2 key/value heads.
+LLAMA_LIKE = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "pad_token_id": 0,
+}
+
+
 def tiny_llama(seed: int = 0, vocab_size: int = 259) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
+    config = LlamaConfig(vocab_size=vocab_size, eos_token_id=2, bos_token_id=1, **LLAMA_LIKE)
     return LlamaForCausalLM(config)
 
 
@@ -69,14 +70,4 @@ def tiny_gpt2(seed: int = 0, vocab_size: int = 259) -> GPT2LMHeadModel:
 def tiny_mistral() -> MistralForCausalLM:
     """A Llama-like model with a sliding window (4096 by default): not packable."""
     torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=259,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=0,
-    )
-    return MistralForCausalLM(config)
+    return MistralForCausalLM(MistralConfig(vocab_size=259, **LLAMA_LIKE))
