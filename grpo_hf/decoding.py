@@ -103,6 +103,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+def _feed_forward(
+    hidden: torch.Tensor, norm: torch.Tensor, gate_up: BlockedLinear, down: BlockedLinear, eps: float
+) -> torch.Tensor:
+    """hidden (..., E) plus Llama's SwiGLU MLP of its RMS-normed self."""
+    gate, up = gate_up(_rms_norm(hidden, norm, eps).view(-1, hidden.shape[-1])).chunk(2, dim=-1)
+    return hidden + down(F.silu(gate) * up).view(hidden.shape)
+
+
 def _layer_weights(layer: nn.Module, rows: int) -> tuple:
     """A decoder layer's norms and matmuls in the order `LlamaDecoder` uses them, q/k/v and gate/up joined."""
     attention, mlp = layer.self_attn, layer.mlp
@@ -144,8 +152,8 @@ class LlamaDecoder:
             self.embed.new_empty(shape, dtype=torch.float32) for _ in self.layers
         ]  # (B, KV, P + N, D)
         self.values = [torch.empty_like(keys) for keys in self.keys]
-        self.mask = torch.zeros((rows, 1, 1, width), device=prompt_mask.device)  # (B, 1, 1, P + N)
-        self.mask[:, 0, 0, :prompt_length].masked_fill_(prompt_mask == 0, float("-inf"))
+        visible = F.pad(prompt_mask.bool(), (0, self.max_new_tokens), value=True)  # (B, P + N)
+        self.mask = bias_from(visible.unsqueeze(1))  # (B, 1, 1, P + N)
         first_position = position_ids_from_mask(prompt_mask)[:, -1:] + 1  # (B, 1)
         positions = first_position + torch.arange(self.max_new_tokens, device=prompt_mask.device)  # (B, N)
         cos, sin = model.model.rotary_emb(self.embed, positions)  # (B, N, D) each, in the weights' dtype
@@ -189,8 +197,7 @@ class LlamaDecoder:
         self.values[i][:, :, :length] = v[row_to_unique]
         attention = grouped_attention(q, k, v, bias).transpose(1, 2).reshape(-1, q_size)  # (U * P, H * D)
         hidden = hidden + out_proj(attention).view(units, length, width)
-        gate, up = gate_up(_rms_norm(hidden, norm_post, self.eps).view(-1, width)).chunk(2, dim=-1)
-        return hidden + down(F.silu(gate) * up).view(units, length, width)
+        return _feed_forward(hidden, norm_post, gate_up, down, self.eps)
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """Feed (B,) tokens; (B, V) float32 logits for the next ones."""
@@ -208,9 +215,7 @@ class LlamaDecoder:
             self.values[i][:, :, column] = v.view(rows, self.kv_heads, self.head_dim)
             keys, values = self.keys[i][:, :, :length], self.values[i][:, :, :length]  # (B, KV, L, D)
             attention = grouped_attention(q.unsqueeze(2), keys, values, mask).view(rows, q_size)  # (B, H * D)
-            hidden = hidden + out_proj(attention)
-            gate, up = gate_up(_rms_norm(hidden, norm_post, self.eps)).chunk(2, dim=-1)
-            hidden = hidden + down(F.silu(gate) * up)
+            hidden = _feed_forward(hidden + out_proj(attention), norm_post, gate_up, down, self.eps)
         self.step += 1
         return self.lm_head(_rms_norm(hidden, self.final_norm, self.eps)).float()  # (B, V)
 

@@ -22,7 +22,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from grpo_hf.attention import grouped_attention
+from grpo_hf.attention import bias_from, grouped_attention
 from grpo_hf.reference import is_peft_model
 
 DECODE_ATTENTION = "grpo_hf_decode"
@@ -47,13 +47,7 @@ def decode_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    bias = (
-        None
-        if attention_mask is None
-        else torch.zeros(attention_mask.shape, device=attention_mask.device).masked_fill_(
-            ~attention_mask, float("-inf")
-        )
-    )
+    bias = None if attention_mask is None else bias_from(attention_mask[:, 0])  # (B, 1, 1, L)
     return grouped_attention(query, key, value, bias, scaling).transpose(1, 2), None  # (B, 1, H, D)
 
 
