@@ -214,7 +214,9 @@ def packed_completion_logps(
 
     The packed row is the distinct prompts, then the completions. A row's first completion token
     is predicted at its prompt's last token, token j > 0 at its token j - 1, so the LM head runs
-    on each prompt's last token and on every completion token but each row's last.
+    on each row's prompt's last token (repeated per row, so one log-softmax call covers every kept
+    position and its backward writes one gradient tensor) and on every completion token but each
+    row's last.
     """
     prompt_length = input_ids.shape[1] - completion_length
     prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]  # (B, P)
@@ -227,27 +229,23 @@ def packed_completion_logps(
     positions = position_ids_from_mask(attention_mask)  # (B, P + C)
     prompt_ends = prompt_real.sum(dim=1).cumsum(dim=0) - 1  # (U,) each prompt's last packed token
     has_next = torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)[real]  # (N,)
-    logits = packed_logits(  # (U + K, V)
+    logits = packed_logits(  # (B + K, V)
         model,
         torch.cat([prompt_ids[first][prompt_real], completion[real]]),  # (U prompts' + N tokens,)
         torch.cat([positions[first, :prompt_length][prompt_real], positions[:, prompt_length:][real]]),
-        torch.cat([prompt_ends, prompt_ends[-1] + 1 + has_next.nonzero().squeeze(1)]),
+        torch.cat([prompt_ends[row_to_unique], prompt_ends[-1] + 1 + has_next.nonzero().squeeze(1)]),
         PackedRows(prompt_real, row_to_unique, real),
     )
-    unique = first.shape[0]
-    scores = token_logps_and_entropy(  # (B,) each: the first completion tokens
-        logits[:unique][row_to_unique], completion[:, 0], temperature, with_entropy
-    )
-    rest = token_logps_and_entropy(  # (K,) each: the later real completion tokens
-        logits[unique:], completion[:, 1:][real[:, 1:]], temperature, with_entropy
-    )
+    rows, later = real.shape[0], real[:, 1:]  # later: (B, C - 1) the real tokens after each first one
+    targets = torch.cat([completion[:, 0], completion[:, 1:][later]])  # (B + K,)
+    scores = token_logps_and_entropy(logits, targets, temperature, with_entropy)  # (B + K,) each
     logps, entropy = (
         None
-        if head is None
+        if flat is None
         else torch.cat(
-            [head.unsqueeze(1), head.new_zeros(real[:, 1:].shape).masked_scatter(real[:, 1:], tail)], 1
+            [flat[:rows].unsqueeze(1), flat.new_zeros(later.shape).masked_scatter(later, flat[rows:])], 1
         )
-        for head, tail in zip(scores, rest, strict=True)
+        for flat in scores
     )  # (B, C) each
     return logps, entropy
 

@@ -44,14 +44,15 @@ class Padded:
         rows, width = self.shape
         _, heads, _, dim = states.shape
         flat = states.new_zeros(rows * width, heads, dim).index_copy(
-            0, self.flat_index, states[0].transpose(0, 1)
+            0, self.flat_index, states.squeeze(0).transpose(0, 1)
         )
         return flat.view(rows, width, heads, dim).transpose(1, 2)
 
     def unpad(self, states: torch.Tensor) -> torch.Tensor:
         """(R, H, W, d) -> (1, n, H, d), the layout attention implementations return."""
         rows, heads, width, dim = states.shape
-        return states.transpose(1, 2).reshape(rows * width, heads, dim)[self.flat_index].unsqueeze(0)
+        flat = states.transpose(1, 2).reshape(rows * width, heads, dim)
+        return flat.index_select(0, self.flat_index).unsqueeze(0)
 
 
 class PackedRows:
@@ -94,8 +95,10 @@ def packed_attention(
     index = packed_rows.row_to_unique
     completion_out = grouped_attention(  # (B, H, C, d)
         completions.pad(query[:, :, split:]),
-        torch.cat([prompt_k[index], completions.pad(key[:, :, split:])], dim=2),  # (B, Hkv, P + C, d)
-        torch.cat([prompt_v[index], completions.pad(value[:, :, split:])], dim=2),
+        torch.cat(
+            [prompt_k.index_select(0, index), completions.pad(key[:, :, split:])], dim=2
+        ),  # (B, Hkv, P + C, d)
+        torch.cat([prompt_v.index_select(0, index), completions.pad(value[:, :, split:])], dim=2),
         packed_rows.completion_bias,
         scaling,
         dropout,
@@ -157,4 +160,4 @@ def packed_logits(
             f"{type(model).__name__} did not route attention through transformers' attention interface; "
             "packed completion passes cannot be used with it."
         )
-    return out.logits[0]  # (K, V)
+    return out.logits.squeeze(0)  # (K, V); a view (indexing [0] would copy the whole gradient back)
