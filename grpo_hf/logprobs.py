@@ -20,6 +20,7 @@ completions were sampled from.
 """
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -117,21 +118,35 @@ def completion_logits(
     return torch.cat([first.unsqueeze(1), out.logits[:, :-1]], dim=1)  # (B, C, V)
 
 
-def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """A float32 copy of (c, V) logits divided by the temperature."""
-    scaled = logits.float() if logits.dtype != torch.float32 else logits.clone()
-    return scaled if temperature == 1.0 else scaled.div_(temperature)
+def _chunks(logits: torch.Tensor) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """Row slices of `TOKENS_PER_CHUNK`, each with two (c, V) float32 work buffers reused across them.
+
+    Reusing the buffers keeps the chunk loop from allocating (and, at these sizes, page-faulting
+    in) fresh 12 MB tensors for every operation.
+    """
+    rows = logits.shape[0]
+    buffers = logits.new_empty(2, min(rows, TOKENS_PER_CHUNK), logits.shape[1], dtype=torch.float32)
+    for start in range(0, rows, TOKENS_PER_CHUNK):
+        chunk = slice(start, start + TOKENS_PER_CHUNK)
+        first, second = buffers[:, : logits[chunk].shape[0]]
+        yield chunk, first, second
+
+
+def _scaled_into(out: torch.Tensor, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`out` (c, V) float32 <- logits (c, V) / temperature."""
+    out.copy_(logits)
+    return out if temperature == 1.0 else out.div_(temperature)
 
 
 class _TokenLogps(torch.autograd.Function):
     """log softmax(logits / T) at the targets, and the entropy of softmax(logits / T), per token.
 
-    Forward and backward walk the (M, V) logits `TOKENS_PER_CHUNK` rows at a time in float32 and
-    keep only the logits (in their own dtype) and two numbers per token for backward, which
-    recomputes the softmax. Autograd through the plain ops would keep a float32 copy of the logits
-    and the softmax of every chunk until backward, and take about twice the passes over them.
-    Gradients, with p = softmax(z), z = logits / T and H the entropy:
-    d log p_t / dz = onehot(t) - p;  dH / dz = -p * (log p + H).
+    Forward and backward walk the (M, V) logits `TOKENS_PER_CHUNK` rows at a time in float32
+    buffers reused across chunks, and keep only the logits (in their own dtype) and two numbers
+    per token for backward, which recomputes the softmax. Autograd through the plain ops would
+    keep a float32 copy of the logits and the softmax of every chunk until backward, and take
+    about twice the passes over them. Gradients, with p = softmax(z), z = logits / T and H the
+    entropy: d log p_t / dz = onehot(t) - p;  dH / dz = -p * (log p + H).
     """
 
     @staticmethod
@@ -145,13 +160,12 @@ class _TokenLogps(torch.autograd.Function):
         logps = logits.new_empty(rows, dtype=torch.float32)  # (M,)
         log_norms = torch.empty_like(logps)  # (M,) logsumexp(z)
         entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
-        for start in range(0, rows, TOKENS_PER_CHUNK):
-            chunk = slice(start, start + TOKENS_PER_CHUNK)
-            z = _scaled(logits[chunk], temperature)  # (c, V)
+        for chunk, z, e in _chunks(logits):
+            _scaled_into(z, logits[chunk], temperature)  # (c, V)
             top = z.amax(dim=-1, keepdim=True)  # (c, 1)
-            z -= top
+            z.sub_(top)
             target_z = z.gather(-1, targets[chunk].unsqueeze(-1)).squeeze(-1)  # (c,)
-            e = z.clamp_(min=EXP_FLOOR).exp()  # (c, V)
+            torch.exp(z.clamp_(min=EXP_FLOOR), out=e)  # (c, V)
             total = e.sum(dim=-1)  # (c,)
             log_total = total.log()
             logps[chunk] = target_z - log_total
@@ -171,18 +185,26 @@ class _TokenLogps(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        """dL/dz = p * c + onehot(t) * dL/dlog p_t, with c = -dL/dlog p_t - (log p + H) * dL/dH per token."""
+        if grad_logps is None and grad_entropy is None:
+            return None, None, None, None
         logits, targets, log_norms, entropy = ctx.saved_tensors
         grad = torch.empty_like(logits)  # (M, V)
-        for start in range(0, logits.shape[0], TOKENS_PER_CHUNK):
-            chunk = slice(start, start + TOKENS_PER_CHUNK)
-            log_p = _scaled(logits[chunk], ctx.temperature).sub_(log_norms[chunk].unsqueeze(-1))  # (c, V)
-            p = log_p.clamp_(min=EXP_FLOOR).exp()
-            g = torch.zeros_like(p) if grad_logps is None else p * -grad_logps[chunk].unsqueeze(-1)
-            if grad_entropy is not None:  # -p * (log p + H) * dL/dH
-                g -= p * (log_p + entropy[chunk].unsqueeze(-1)) * grad_entropy[chunk].unsqueeze(-1)
+        for chunk, log_p, p in _chunks(logits):
+            _scaled_into(log_p, logits[chunk], ctx.temperature).sub_(log_norms[chunk].unsqueeze(-1))  # (c, V)
+            torch.exp(log_p.clamp_(min=EXP_FLOOR), out=p)
+            if grad_entropy is None:
+                p.mul_(-grad_logps[chunk].unsqueeze(-1))
+            else:
+                coefficient = log_p.add_(entropy[chunk].unsqueeze(-1)).mul_(
+                    -grad_entropy[chunk].unsqueeze(-1)
+                )
+                if grad_logps is not None:
+                    coefficient.sub_(grad_logps[chunk].unsqueeze(-1))
+                p.mul_(coefficient)
             if grad_logps is not None:
-                g.scatter_add_(-1, targets[chunk].unsqueeze(-1), grad_logps[chunk].unsqueeze(-1))
-            grad[chunk] = g if ctx.temperature == 1.0 else g / ctx.temperature
+                p.scatter_add_(-1, targets[chunk].unsqueeze(-1), grad_logps[chunk].unsqueeze(-1))
+            grad[chunk] = p if ctx.temperature == 1.0 else p.div_(ctx.temperature)
         return grad, None, None, None
 
 
