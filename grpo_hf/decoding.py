@@ -6,8 +6,9 @@ every layer's keys and values at every step, and (with the float32 decode attent
 `generation_copy`) a cast of the whole cache each time. For Llama-architecture models
 (`LlamaForCausalLM`: SmolLM2, Llama 2/3, TinyLlama, ...) `LlamaDecoder` runs the same computation
 directly on the model's weights:
-- q/k/v and gate/up projections are one matmul each, on weights reordered once per generation
-  round into oneDNN's blocked layout on a CPU (`BlockedLinear`), for the prompt prefill too;
+- q/k/v and gate/up projections are one matmul each, on weights reordered into oneDNN's blocked
+  layout on a CPU (`BlockedLinear`), for the prompt prefill too; a weight is reordered again only
+  when it changed (`BlockedWeights`: with LoRA, the merged projections once per round);
 - each distinct prompt is prefilled once; keys and values go into a float32 cache allocated once
   for the whole completion, and attention is `attention.grouped_attention` over it;
 - RMSNorm, RoPE and the residual stream round exactly where transformers' Llama does (tests
@@ -16,6 +17,8 @@ Any other model (GPT-2, a PEFT wrapper with unmerged adapters, sharded parameter
 decodes through `model(...)` with a `DynamicCache` (`TransformersDecoder`). `bench/levers.py`
 times a step of each on the benchmark's shapes.
 """
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -111,19 +114,50 @@ def _feed_forward(
     return hidden + down(F.silu(gate) * up).view(hidden.shape)
 
 
-def _layer_weights(layer: nn.Module, rows: int) -> tuple:
-    """A decoder layer's norms and matmuls in the order `LlamaDecoder` uses them, q/k/v and gate/up joined."""
-    attention, mlp = layer.self_attn, layer.mlp
-    return (
-        layer.input_layernorm.weight,
-        BlockedLinear(
-            torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]), rows
-        ),
-        BlockedLinear(attention.o_proj.weight, rows),
-        layer.post_attention_layernorm.weight,
-        BlockedLinear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), rows),
-        BlockedLinear(mlp.down_proj.weight, rows),
-    )
+class BlockedWeights:
+    """One model's `BlockedLinear`s, reordered again only where a source weight changed.
+
+    Generation reorders every weight it multiplies by; between rounds only some change (with LoRA,
+    the merged q/k/v/o projections of the generation copy), so the rest (MLPs, LM head) are
+    reordered once per model. A frozen weight counts as changed when its storage or version
+    counter (bumped by in-place writes such as `GenerationCopy.refresh`'s `copy_`) differs from the
+    one last reordered. A weight that requires grad is reordered every time: an optimizer may
+    write it without bumping its version counter (fused AdamW does).
+    """
+
+    def __init__(self):
+        self.entries: dict[tuple[int, ...], tuple] = {}  # ids -> (weights, stamp, BlockedLinear)
+
+    def reorder(self, groups: list[tuple[torch.Tensor, ...]], rows: int) -> list[BlockedLinear]:
+        """x @ cat(group).T for each group of weights; entries of weights not asked for are dropped."""
+        entries = {}
+        for weights in groups:
+            key = tuple(id(weight) for weight in weights)  # unique while the entry holds the weights
+            stamp = tuple((weight.data_ptr(), weight._version) for weight in weights)
+            cached = self.entries.get(key)
+            if cached is None or cached[1] != stamp or any(weight.requires_grad for weight in weights):
+                joined = torch.cat(weights) if len(weights) > 1 else weights[0]
+                cached = (weights, stamp, BlockedLinear(joined, rows))
+            entries[key] = cached
+        self.entries = entries
+        return [entries[tuple(id(weight) for weight in weights)][2] for weights in groups]
+
+
+_BLOCKED_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, BlockedWeights]" = weakref.WeakKeyDictionary()
+
+
+def _matmul_weights(model: nn.Module) -> list[tuple[torch.Tensor, ...]]:
+    """The weights of a decoding step's matmuls: per layer q/k/v, o, gate/up, down; then the LM head."""
+    groups = []
+    for layer in model.model.layers[: model.config.num_hidden_layers]:
+        attention, mlp = layer.self_attn, layer.mlp
+        groups += [
+            (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight),
+            (attention.o_proj.weight,),
+            (mlp.gate_proj.weight, mlp.up_proj.weight),
+            (mlp.down_proj.weight,),
+        ]
+    return [*groups, (model.lm_head.weight,)]
 
 
 class LlamaDecoder:
@@ -142,9 +176,12 @@ class LlamaDecoder:
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         """Run the (B, P) left-padded prompts (each distinct one once); (B, V) float32 next-token logits."""
         model, (rows, prompt_length) = self.model, prompt_ids.shape
-        self.lm_head = BlockedLinear(model.lm_head.weight, rows)
-        self.layers = [
-            _layer_weights(layer, rows) for layer in model.model.layers[: model.config.num_hidden_layers]
+        blocked = _BLOCKED_WEIGHTS.setdefault(model, BlockedWeights())
+        *matmuls, self.lm_head = blocked.reorder(_matmul_weights(model), rows)
+        self.layers = [  # norm, q/k/v, o, norm, gate/up, down
+            (layer.input_layernorm.weight, *matmuls[4 * i : 4 * i + 2])
+            + (layer.post_attention_layernorm.weight, *matmuls[4 * i + 2 : 4 * i + 4])
+            for i, layer in enumerate(model.model.layers[: model.config.num_hidden_layers])
         ]
         width = prompt_length + self.max_new_tokens
         shape = (rows, self.kv_heads, width, self.head_dim)

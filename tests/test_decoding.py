@@ -109,3 +109,38 @@ def test_decoder_for_uses_the_llama_step_only_where_it_reproduces_the_model():
     dynamic_rope = tiny_llama()
     dynamic_rope.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     assert is_plain_llama(tiny_llama()) and not is_plain_llama(biased) and not is_plain_llama(dynamic_rope)
+
+
+@torch.no_grad()
+def test_weights_changed_between_rounds_are_reordered_again_and_the_rest_reused():
+    model = tiny_llama().eval().requires_grad_(False)  # as the generation copy
+    ids, mask = prompts()
+    first_round = LlamaDecoder(model, 2)
+    first_round.prefill(ids, mask)
+    model.model.layers[0].self_attn.q_proj.weight.add_(0.5)  # in place, as GenerationCopy.refresh writes
+    second_round = LlamaDecoder(model, 2)
+    torch.testing.assert_close(second_round.prefill(ids, mask), TransformersDecoder(model).prefill(ids, mask))
+    assert second_round.layers[0][1] is not first_round.layers[0][1]  # q/k/v: reordered again
+    assert second_round.layers[0][4] is first_round.layers[0][4]  # gate/up: reused
+    down = model.model.layers[1].mlp.down_proj
+    down.weight = torch.nn.Parameter(torch.randn_like(down.weight))  # a new tensor in its place
+    torch.testing.assert_close(
+        LlamaDecoder(model, 2).prefill(ids, mask), TransformersDecoder(model).prefill(ids, mask)
+    )
+
+
+def test_weights_that_require_grad_are_reordered_every_round():
+    """Fused AdamW writes parameters without bumping their version counters."""
+    model = tiny_llama().eval()
+    ids, mask = prompts()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    with torch.no_grad():
+        LlamaDecoder(model, 2).prefill(ids, mask)
+    model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    versions = [p._version for p in model.parameters()]
+    optimizer.step()
+    assert [p._version for p in model.parameters()] == versions  # the writes left no trace
+    with torch.no_grad():
+        torch.testing.assert_close(
+            LlamaDecoder(model, 2).prefill(ids, mask), TransformersDecoder(model).prefill(ids, mask)
+        )
