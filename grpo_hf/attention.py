@@ -30,15 +30,17 @@ def grouped_attention(
     rows, heads, width, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     group = heads // kv_heads
-    grouped = query.reshape(rows, kv_heads, group * width, dim).float()  # (R, Hkv, G * W, d)
+    grouped = query.reshape(rows * kv_heads, group * width, dim).float()  # (R * Hkv, G * W, d)
+    keys = key.float().reshape(rows * kv_heads, length, dim).transpose(1, 2)  # (R * Hkv, d, L)
     scale = dim**-0.5 if scale is None else scale
-    scores = (grouped @ key.float().transpose(-1, -2) * scale).view(rows, kv_heads, group, width, length)
-    if bias is not None:
-        scores = scores + bias.unsqueeze(2)  # (R, 1, 1, W, L) broadcasts over key heads and groups
-    probs = scores.softmax(dim=-1).view(rows, kv_heads, group * width, length)  # (R, Hkv, G * W, L)
+    scores = torch.bmm(grouped, keys).mul_(scale)  # (R * Hkv, G * W, L)
+    if bias is not None:  # (R, 1, 1, W, L) broadcasts over key heads and groups
+        scores.view(rows, kv_heads, group, width, length).add_(bias.unsqueeze(2))
+    probs = scores.softmax(dim=-1)  # (R * Hkv, G * W, L)
     if dropout:
         probs = F.dropout(probs, dropout)
-    return (probs @ value.float()).view(rows, heads, width, dim).to(query.dtype)  # (R, H, W, d)
+    values = value.float().reshape(rows * kv_heads, length, dim)
+    return torch.bmm(probs, values).view(rows, heads, width, dim).to(query.dtype)  # (R, H, W, d)
 
 
 def causal_allowed(real: torch.Tensor) -> torch.Tensor:

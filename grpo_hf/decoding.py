@@ -99,11 +99,19 @@ def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * x.to(hidden.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on (B, heads, D) with (B, 1, D) cos / sin, as transformers' apply_rotary_pos_emb."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin (..., D) with its first half negated, for `_rotate`."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (..., heads, D) with (..., 1, D) cos / `_signed_sin`, as transformers' apply_rotary_pos_emb.
+
+    rotate_half(x) * sin == roll(x, D / 2) * signed_sin exactly (negation commutes with rounding),
+    with one roll instead of two slices, a negation and a concatenation per call.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _feed_forward(
@@ -194,7 +202,7 @@ class LlamaDecoder:
         first_position = position_ids_from_mask(prompt_mask)[:, -1:] + 1  # (B, 1)
         positions = first_position + torch.arange(self.max_new_tokens, device=prompt_mask.device)  # (B, N)
         cos, sin = model.model.rotary_emb(self.embed, positions)  # (B, N, D) each, in the weights' dtype
-        self.cos, self.sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (B, N, 1, D)
+        self.cos, self.signed_sin = cos.unsqueeze(2), _signed_sin(sin).unsqueeze(2)  # (B, N, 1, D)
         self.prompt_length, self.step = prompt_length, 0
 
         first, row_to_unique = unique_rows(prompt_ids, prompt_mask)  # (U,), (B,)
@@ -203,7 +211,9 @@ class LlamaDecoder:
         bias = bias_from(causal_allowed(real))  # (U, 1, P, P)
         hidden = F.embedding(prompt_ids[first], self.embed)  # (U, P, E)
         for i in range(len(self.layers)):
-            hidden = self._prefill_layer(i, hidden, cos.unsqueeze(2), sin.unsqueeze(2), bias, row_to_unique)
+            hidden = self._prefill_layer(
+                i, hidden, cos.unsqueeze(2), _signed_sin(sin).unsqueeze(2), bias, row_to_unique
+            )
         return self.lm_head(_rms_norm(hidden[:, -1], self.final_norm, self.eps)).float()[
             row_to_unique
         ]  # (B, V)
@@ -213,7 +223,7 @@ class LlamaDecoder:
         i: int,
         hidden: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        signed_sin: torch.Tensor,
         bias: torch.Tensor,
         row_to_unique: torch.Tensor,
     ) -> torch.Tensor:
@@ -224,7 +234,7 @@ class LlamaDecoder:
         qk, v = qkv(_rms_norm(hidden, norm_in, self.eps).view(-1, width)).split(
             [q_size + kv_size, kv_size], -1
         )
-        qk = _rotate(qk.view(units, length, -1, self.head_dim), cos, sin)  # (U, P, H + KV, D)
+        qk = _rotate(qk.view(units, length, -1, self.head_dim), cos, signed_sin)  # (U, P, H + KV, D)
         q, k = (
             qk[:, :, : self.heads].transpose(1, 2),
             qk[:, :, self.heads :].transpose(1, 2),
@@ -240,13 +250,15 @@ class LlamaDecoder:
         """Feed (B,) tokens; (B, V) float32 logits for the next ones."""
         rows, column = token.shape[0], self.prompt_length + self.step  # the new token's cache column
         length = column + 1  # keys attended to
-        cos, sin = self.cos[:, self.step], self.sin[:, self.step]  # (B, 1, D)
+        cos, signed_sin = self.cos[:, self.step], self.signed_sin[:, self.step]  # (B, 1, D)
         mask = self.mask[..., :length]  # (B, 1, 1, L)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         hidden = F.embedding(token, self.embed)  # (B, E)
         for i, (norm_in, qkv, out_proj, norm_post, gate_up, down) in enumerate(self.layers):
             qk, v = qkv(_rms_norm(hidden, norm_in, self.eps)).split([q_size + kv_size, kv_size], -1)
-            qk = _rotate(qk.view(rows, self.heads + self.kv_heads, self.head_dim), cos, sin)  # (B, H + KV, D)
+            qk = _rotate(
+                qk.view(rows, self.heads + self.kv_heads, self.head_dim), cos, signed_sin
+            )  # (B, H + KV, D)
             q = qk[:, : self.heads]  # (B, H, D)
             self.keys[i][:, :, column] = qk[:, self.heads :]
             self.values[i][:, :, column] = v.view(rows, self.kv_heads, self.head_dim)
