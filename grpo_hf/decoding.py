@@ -76,10 +76,10 @@ class BlockedLinear:
     """x (rows, in) -> x @ weight.T for a fixed weight, in oneDNN's blocked layout on a CPU.
 
     oneDNN reorders a plain weight into its blocked layout inside every matmul; for the few rows
-    of a decoding step that reorder costs as much as the product itself. Reordering once per
-    generation round (`_reorder_linear_weight`, sized for `rows`) halves the step's matmul time on
-    the benchmark's shapes, with bit-identical bf16 results (`bench/levers.py`). Elsewhere (a GPU,
-    no oneDNN) the weight is used as it is.
+    of a decoding step that reorder costs as much as the product itself. Reordering once
+    (`_reorder_linear_weight`, sized for `rows`; `BlockedWeights` decides when again) halves the
+    step's matmul time on the benchmark's shapes, with bit-identical bf16 results
+    (`bench/levers.py`). Elsewhere (a GPU, no oneDNN) the weight is used as it is.
     """
 
     def __init__(self, weight: torch.Tensor, rows: int):
