@@ -138,7 +138,7 @@ class BlockedWeights:
 
     def reorder(self, groups: list[tuple[torch.Tensor, ...]], rows: int) -> list[BlockedLinear]:
         """x @ cat(group).T for each group of weights; entries of weights not asked for are dropped."""
-        entries = {}
+        entries, linears = {}, []
         for weights in groups:
             key = tuple(id(weight) for weight in weights)  # unique while the entry holds the weights
             stamp = tuple((weight.data_ptr(), weight._version) for weight in weights)
@@ -147,8 +147,9 @@ class BlockedWeights:
                 joined = torch.cat(weights) if len(weights) > 1 else weights[0]
                 cached = (weights, stamp, BlockedLinear(joined, rows))
             entries[key] = cached
+            linears.append(cached[2])
         self.entries = entries
-        return [entries[tuple(id(weight) for weight in weights)][2] for weights in groups]
+        return linears
 
 
 _BLOCKED_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, BlockedWeights]" = weakref.WeakKeyDictionary()
@@ -177,6 +178,8 @@ class LlamaDecoder:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.qk_v = [self.q_size + kv_size, kv_size]  # the q/k/v matmul's output: q and k (rotated), v
         self.eps = config.rms_norm_eps
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
@@ -208,12 +211,11 @@ class LlamaDecoder:
         first, row_to_unique = unique_rows(prompt_ids, prompt_mask)  # (U,), (B,)
         real = prompt_mask[first].bool()  # (U, P)
         cos, sin = model.model.rotary_emb(self.embed, position_ids_from_mask(real))  # (U, P, D) each
+        cos, signed_sin = cos.unsqueeze(2), _signed_sin(sin).unsqueeze(2)  # (U, P, 1, D)
         bias = bias_from(causal_allowed(real))  # (U, 1, P, P)
         hidden = F.embedding(prompt_ids[first], self.embed)  # (U, P, E)
         for i in range(len(self.layers)):
-            hidden = self._prefill_layer(
-                i, hidden, cos.unsqueeze(2), _signed_sin(sin).unsqueeze(2), bias, row_to_unique
-            )
+            hidden = self._prefill_layer(i, hidden, cos, signed_sin, bias, row_to_unique)
         return self.lm_head(_rms_norm(hidden[:, -1], self.final_norm, self.eps)).float()[
             row_to_unique
         ]  # (B, V)
@@ -230,10 +232,7 @@ class LlamaDecoder:
         """Layer i on (U, P, E) prompts; writes their keys and values into every row of the cache."""
         norm_in, qkv, out_proj, norm_post, gate_up, down = self.layers[i]
         units, length, width = hidden.shape
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        qk, v = qkv(_rms_norm(hidden, norm_in, self.eps).view(-1, width)).split(
-            [q_size + kv_size, kv_size], -1
-        )
+        qk, v = qkv(_rms_norm(hidden, norm_in, self.eps).view(-1, width)).split(self.qk_v, -1)
         qk = _rotate(qk.view(units, length, -1, self.head_dim), cos, signed_sin)  # (U, P, H + KV, D)
         q, k = (
             qk[:, :, : self.heads].transpose(1, 2),
@@ -242,7 +241,9 @@ class LlamaDecoder:
         v = v.view(units, length, self.kv_heads, self.head_dim).transpose(1, 2)  # (U, KV, P, D)
         self.keys[i][:, :, :length] = k[row_to_unique]
         self.values[i][:, :, :length] = v[row_to_unique]
-        attention = grouped_attention(q, k, v, bias).transpose(1, 2).reshape(-1, q_size)  # (U * P, H * D)
+        attention = (
+            grouped_attention(q, k, v, bias).transpose(1, 2).reshape(-1, self.q_size)
+        )  # (U * P, H * D)
         hidden = hidden + out_proj(attention).view(units, length, width)
         return _feed_forward(hidden, norm_post, gate_up, down, self.eps)
 
@@ -252,10 +253,9 @@ class LlamaDecoder:
         length = column + 1  # keys attended to
         cos, signed_sin = self.cos[:, self.step], self.signed_sin[:, self.step]  # (B, 1, D)
         mask = self.mask[..., :length]  # (B, 1, 1, L)
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         hidden = F.embedding(token, self.embed)  # (B, E)
         for i, (norm_in, qkv, out_proj, norm_post, gate_up, down) in enumerate(self.layers):
-            qk, v = qkv(_rms_norm(hidden, norm_in, self.eps)).split([q_size + kv_size, kv_size], -1)
+            qk, v = qkv(_rms_norm(hidden, norm_in, self.eps)).split(self.qk_v, -1)
             qk = _rotate(
                 qk.view(rows, self.heads + self.kv_heads, self.head_dim), cos, signed_sin
             )  # (B, H + KV, D)
@@ -263,7 +263,9 @@ class LlamaDecoder:
             self.keys[i][:, :, column] = qk[:, self.heads :]
             self.values[i][:, :, column] = v.view(rows, self.kv_heads, self.head_dim)
             keys, values = self.keys[i][:, :, :length], self.values[i][:, :, :length]  # (B, KV, L, D)
-            attention = grouped_attention(q.unsqueeze(2), keys, values, mask).view(rows, q_size)  # (B, H * D)
+            attention = grouped_attention(q.unsqueeze(2), keys, values, mask).view(
+                rows, self.q_size
+            )  # (B, H * D)
             hidden = _feed_forward(hidden + out_proj(attention), norm_post, gate_up, down, self.eps)
         self.step += 1
         return self.lm_head(_rms_norm(hidden, self.final_norm, self.eps)).float()  # (B, V)
