@@ -110,16 +110,21 @@ def packed_attention(
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 
 
-def model_config(model: nn.Module) -> PretrainedConfig | None:
-    """The transformers config of `model`, looking through DDP / DeepSpeed wrappers."""
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside DDP / DeepSpeed wrappers (a PEFT model stays as it is)."""
     while isinstance(getattr(model, "module", None), nn.Module):  # DDP and DeepSpeed engines
         model = model.module
-    config = getattr(model, "config", None)
+    return model
+
+
+def model_config(model: nn.Module) -> PretrainedConfig | None:
+    """The transformers config of `model`, looking through DDP / DeepSpeed wrappers."""
+    config = getattr(unwrapped(model), "config", None)
     return config if isinstance(config, PretrainedConfig) else None
 
 
 def can_pack(model: nn.Module) -> bool:
-    """Whether `packed_logits` computes exactly what a padded forward of this model would."""
+    """Whether `packed_forward` computes exactly what a padded forward of this model would."""
     config = model_config(model)
     return (
         config is not None
@@ -139,15 +144,35 @@ def attention_implementation(config: PretrainedConfig, name: str) -> Iterator[No
         config._attn_implementation = previous
 
 
-def packed_logits(
+@contextlib.contextmanager
+def output_head(model: nn.Module, head: nn.Module | None) -> Iterator[None]:
+    """Run the model with `head` in place of its LM head (if not None), restoring it afterwards."""
+    if head is None:
+        yield
+        return
+    inner = unwrapped(model)
+    previous = inner.get_output_embeddings()
+    inner.set_output_embeddings(head)
+    try:
+        yield
+    finally:
+        inner.set_output_embeddings(previous)
+
+
+def packed_forward(
     model: nn.Module,
     tokens: torch.Tensor,
     positions: torch.Tensor,
     keep: torch.Tensor,
     rows: PackedRows,
-) -> torch.Tensor:
-    """(K, V) logits at packed positions `keep` of the packed row `tokens` (n,) at `positions` (n,)."""
-    with attention_implementation(model_config(model), PACKED_ATTENTION):
+    head: nn.Module | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The LM head's output (K, V logits) at packed positions `keep` of the row `tokens` (n,) at `positions` (n,).
+
+    `head`, if given, stands in for the model's LM head during the call (inside the model's
+    forward, so under its autocast and its DDP hooks), on the (1, K, E) hidden states.
+    """
+    with attention_implementation(model_config(model), PACKED_ATTENTION), output_head(model, head):
         out = model(
             input_ids=tokens.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
@@ -160,4 +185,6 @@ def packed_logits(
             f"{type(model).__name__} did not route attention through transformers' attention interface; "
             "packed completion passes cannot be used with it."
         )
+    if head is not None:
+        return out.logits
     return out.logits.squeeze(0)  # (K, V); a view (indexing [0] would copy the whole gradient back)

@@ -284,6 +284,7 @@ class GRPOTrainer(Trainer):
             self.args.temperature,
             with_entropy=with_entropy,
             gradient_checkpointing=self.args.gradient_checkpointing,
+            entropy_grad=self.args.entropy_coef != 0,  # otherwise a metric: no gradient needed
         )
 
     def needs_old_logps(self) -> bool:

@@ -128,6 +128,72 @@ def test_position_ids_skip_left_padding():
     assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
 
 
+# ---- A frozen LM head fused with the log-softmax ---------------------------------------------
+
+
+def head_scores(hidden, weight, targets, temperature=1.0, dtype=torch.float32):
+    """`_HeadTokenLogps` on (M, E) hidden states and a (V, E) head weight."""
+    return logprobs._HeadTokenLogps.apply(hidden, weight, targets, temperature, True, dtype)
+
+
+def test_fused_head_by_hand():
+    # logits = h @ W^T = [ln 2, 0, ln 2]: p = (2/5, 1/5, 2/5)
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # (V, E) = (3, 2)
+    hidden = torch.tensor([[math.log(2), 0.0]], requires_grad=True)  # (M, E) = (1, 2)
+    logps, entropy = head_scores(hidden, weight, torch.tensor([0]))
+    torch.testing.assert_close(logps, torch.tensor([math.log(0.4)]))
+    torch.testing.assert_close(entropy, torch.tensor([-(2 * 0.4 * math.log(0.4) + 0.2 * math.log(0.2))]))
+    assert not entropy.requires_grad  # a metric here; an entropy bonus takes the unfused path
+    (grad,) = torch.autograd.grad(3 * logps.sum(), hidden)
+    # d log p_0 / d h = (onehot(0) - p) @ W = (0.6, -0.2, -0.4) @ W = (0.6 - 0.4, -0.2 - 0.4)
+    torch.testing.assert_close(grad, 3 * torch.tensor([[0.2, -0.6]]))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_head_matches_autograd_through_the_logits(temperature, monkeypatch):
+    monkeypatch.setattr(logprobs, "HEAD_TOKENS_PER_CHUNK", 2)  # 5 tokens: chunks of 2, 2 and 1
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(5, 4, requires_grad=True), torch.randn(11, 4)  # (M, E), (V, E)
+    targets, upstream = torch.tensor([0, 3, 10, 2, 2]), torch.randn(5)
+    logps, entropy = head_scores(hidden, weight, targets, temperature)
+    want_logps, want_entropy = direct(hidden @ weight.T, targets, temperature)
+    torch.testing.assert_close(logps, want_logps, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-6, atol=1e-6)
+    (grad,) = torch.autograd.grad((logps * upstream).sum(), hidden)
+    (want,) = torch.autograd.grad((want_logps * upstream).sum(), hidden)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_head_takes_products_in_the_given_dtype():
+    torch.manual_seed(0)
+    hidden, weight, targets = torch.randn(3, 8), torch.randn(13, 8), torch.tensor([1, 5, 12])
+    logps, _ = head_scores(hidden, weight, targets, dtype=torch.bfloat16)
+    logits = hidden.bfloat16() @ weight.bfloat16().T  # (M, V) what the head computes under bf16 autocast
+    torch.testing.assert_close(logps, direct(logits, targets)[0], rtol=1e-6, atol=1e-6)
+    assert (logps - direct(hidden @ weight.T, targets)[0]).abs().max() > 1e-4  # bf16 really was used
+
+
+def test_frozen_head_is_cast_once_until_it_changes():
+    weight = torch.randn(6, 4)
+    first = logprobs._cast_frozen(weight, torch.bfloat16)
+    assert logprobs._cast_frozen(weight, torch.bfloat16) is first
+    assert logprobs._cast_frozen(weight, torch.float32) is weight
+    with torch.no_grad():
+        weight.mul_(2)  # an in-place write bumps the version counter
+    second = logprobs._cast_frozen(weight, torch.bfloat16)
+    assert second is not first and torch.equal(second, weight.bfloat16())
+
+
+def test_which_heads_fuse():
+    model = tiny_llama()
+    assert logprobs.frozen_head(model) is None  # trained (full fine-tuning): the unfused path
+    model.requires_grad_(False)
+    assert logprobs.frozen_head(model) is model.lm_head
+    wrapper = torch.nn.Module()
+    wrapper.module = model  # as DDP and DeepSpeed hold the model
+    assert logprobs.frozen_head(wrapper) is model.lm_head
+
+
 # ---- Through a tiny Llama ----------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from test_decoding import llama_with_rope_scaling
 from test_logprobs import grouped_batch
 from tiny_models import tiny_gpt2, tiny_llama, tiny_mistral
@@ -115,3 +116,45 @@ def test_models_that_cannot_pack_take_the_padded_pass():
     whole, _ = completion_logps(model, ids, mask, width, gradient_checkpointing=True)
     real = mask[:, -width:].bool()
     torch.testing.assert_close(shared[real], whole[real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_fused_head_gives_the_unfused_logps_and_gradients(build):
+    """A frozen LM head (LoRA) is fused with the log-softmax unless the entropy needs a gradient."""
+    torch.manual_seed(0)
+    targets = ["q_proj", "v_proj"] if build is tiny_llama else ["c_attn"]
+    model = get_peft_model(build().eval(), LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+    head = model.get_output_embeddings()
+    calls = []
+    head.register_forward_hook(lambda *args: calls.append(1))
+    ids, mask, width = grouped_batch()
+    real = mask[:, -width:]
+    results = []
+    for entropy_grad in (True, False):
+        model.zero_grad()
+        calls.clear()
+        logps, entropy = completion_logps(
+            model, ids, mask, width, 0.9, with_entropy=True, entropy_grad=entropy_grad
+        )
+        assert entropy.requires_grad == entropy_grad
+        assert len(calls) == entropy_grad  # fused: the head module itself never runs
+        (logps * real * torch.arange(1, width + 1)).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results.append((logps.detach(), entropy.detach(), grads))
+        assert model.get_output_embeddings() is head  # put back after the call
+    (logps, entropy, grads), (fused_logps, fused_entropy, fused_grads) = results
+    torch.testing.assert_close(fused_logps, logps, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused_entropy, entropy, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == fused_grads.keys() and len(grads) >= 4
+    for name in grads:
+        torch.testing.assert_close(fused_grads[name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_fused_head_is_put_back_when_the_forward_fails():
+    model = tiny_llama().eval().requires_grad_(False)
+    head = model.lm_head
+    ids, mask, width = grouped_batch()
+    model.model.layers[1].mlp.register_forward_hook(lambda *args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        completion_logps(model, ids, mask, width, entropy_grad=False)
+    assert model.lm_head is head
