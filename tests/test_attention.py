@@ -41,3 +41,19 @@ def test_bf16_inputs_are_attended_in_float32_and_returned_in_bf16():
     assert out.dtype == torch.bfloat16
     exact = grouped_attention(query.float(), key.float(), value.float(), None)  # the same bf16 values
     torch.testing.assert_close(out, exact.to(torch.bfloat16), rtol=0, atol=0)  # one rounding, at the end
+
+
+def test_under_autocast_products_run_in_its_dtype_as_transformers_attention_does():
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(3, 2, 4, 3, 8) * 4).to(torch.bfloat16).unbind(0)  # (2, 4, 3, 8) each
+    key, value = key[:, :2], value[:, :2]  # two key heads for four query heads
+    bias = torch.zeros(2, 1, 3, 3).masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), float("-inf"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = grouped_attention(query, key, value, bias)
+    # The same steps by hand in bf16: q k^T, scale, mask, softmax, times v.
+    q = query.view(2, 2, 2, 3, 8)  # (R, Hkv, G, W, d)
+    scores = (q @ key.unsqueeze(2).transpose(-1, -2)) * 8**-0.5 + bias.unsqueeze(2).bfloat16()
+    expected = (scores.softmax(dim=-1) @ value.unsqueeze(2)).view(2, 4, 3, 8)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    float32 = grouped_attention(query, key, value, bias)  # without autocast: float32 inside
+    assert (out.float() - float32.float()).abs().max() > 0
