@@ -170,7 +170,12 @@ def _matmul_weights(model: nn.Module) -> list[tuple[torch.Tensor, ...]]:
 
 
 class LlamaDecoder:
-    """Prefill and decoding steps of a `LlamaForCausalLM` on its weights, with a float32 KV cache."""
+    """Prefill and decoding steps of a `LlamaForCausalLM` on its weights, with a float32 KV cache.
+
+    Both run in inference mode (no version counters or view tracking: ~2 ms of a 35 ms decoding
+    step); their cache, reordered weights and logits are inference tensors, read outside only by
+    functional ops (sampling).
+    """
 
     def __init__(self, model: nn.Module, max_new_tokens: int):
         config = model.config
@@ -184,6 +189,7 @@ class LlamaDecoder:
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
 
+    @torch.inference_mode()
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         """Run the (B, P) left-padded prompts (each distinct one once); (B, V) float32 next-token logits."""
         model, (rows, prompt_length) = self.model, prompt_ids.shape
@@ -247,6 +253,7 @@ class LlamaDecoder:
         hidden = hidden + out_proj(attention).view(units, length, width)
         return _feed_forward(hidden, norm_post, gate_up, down, self.eps)
 
+    @torch.inference_mode()
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """Feed (B,) tokens; (B, V) float32 logits for the next ones."""
         rows, column = token.shape[0], self.prompt_length + self.step  # the new token's cache column
