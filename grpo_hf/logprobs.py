@@ -36,9 +36,10 @@ from grpo_hf.packing import PackedRows, can_pack, packed_forward, unwrapped
 # Its backward keeps the attention weights, rows x heads x length^2 per layer.
 MATH_ATTENTION_MAX = 16 * 256 * 256
 TOKENS_PER_CHUNK = 64
-# The fused LM head multiplies this many rows at a time: at 64 the head's weight (V x E) is read
-# from memory twice as often, and the product runs ~30% slower at V = 49k on a CPU.
-HEAD_TOKENS_PER_CHUNK = 128
+# The fused LM head multiplies this many rows at a time (its log-softmax still takes
+# TOKENS_PER_CHUNK): each chunk reads the head's whole weight, and at V = 49k on a CPU the
+# products run ~30% slower in chunks of 64 rows, ~10% in chunks of 128.
+HEAD_TOKENS_PER_CHUNK = 256
 # exp() of a float32 below about -87.3 is denormal or 0, and PyTorch's vectorized exp takes a slow
 # path there: 7x slower over [-120, 0], where most of a 49k vocabulary's shifted logits lie. Every
 # exp here is of a logit minus the row's max (or its logsumexp); clamping at the floor changes
@@ -266,7 +267,7 @@ def _cast_frozen(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _HeadTokenLogps(torch.autograd.Function):
     """`_TokenLogps` of the logits hidden @ weight.T of a frozen LM head, without the (M, V) logits.
 
-    The head's product is taken `TOKENS_PER_CHUNK` rows at a time, in `dtype` (the autocast dtype
+    The head's product is taken `HEAD_TOKENS_PER_CHUNK` rows at a time, in `dtype` (the autocast dtype
     the model's own head would compute in), into a reused buffer. When the hidden states need a
     gradient, forward also takes each token's d log p_t / d hidden = (onehot(t) - p) @ weight / T,
     the product backward would otherwise take with the whole logits gradient; backward is then a
@@ -288,17 +289,21 @@ class _HeadTokenLogps(torch.autograd.Function):
         logps = hidden.new_empty(rows, dtype=torch.float32)  # (M,)
         entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
         directions = torch.empty_like(states) if ctx.needs_input_grad[0] else None  # (M, E)
-        buffers = (torch.float32, torch.float32, dtype)
-        for chunk, (z, e, product) in _chunks(hidden, rows, vocab, buffers, HEAD_TOKENS_PER_CHUNK):
-            _scaled_into(z, torch.mm(states[chunk], weight.t(), out=product), temperature)  # (c, V)
-            logps[chunk], _, total, chunk_entropy = _score_chunk(z, e, targets[chunk], with_entropy)
-            if with_entropy:
-                entropy[chunk] = chunk_entropy
-            if directions is not None:  # e <- onehot(t) - p, then through the head
-                e.div_(-total.unsqueeze(-1)).scatter_add_(
-                    -1, targets[chunk].unsqueeze(-1), e.new_ones(1, 1).expand(z.shape[0], 1)
-                )
-                torch.mm(product.copy_(e), weight, out=directions[chunk])  # (c, E)
+        for chunk, (product,) in _chunks(hidden, rows, vocab, (dtype,), HEAD_TOKENS_PER_CHUNK):
+            torch.mm(states[chunk], weight.t(), out=product)  # (c, V) logits
+            for part, (z, e) in _chunks(hidden, product.shape[0], vocab, (torch.float32, torch.float32)):
+                tokens = slice(chunk.start + part.start, chunk.start + part.stop)
+                _scaled_into(z, product[part], temperature)
+                logps[tokens], _, total, part_entropy = _score_chunk(z, e, targets[tokens], with_entropy)
+                if with_entropy:
+                    entropy[tokens] = part_entropy
+                if directions is not None:  # the logits' rows become onehot(t) - p
+                    ones = e.new_ones(1, 1).expand(z.shape[0], 1)
+                    product[part] = e.div_(-total.unsqueeze(-1)).scatter_add_(
+                        -1, targets[tokens].unsqueeze(-1), ones
+                    )
+            if directions is not None:
+                torch.mm(product, weight, out=directions[chunk])  # (c, E)
         ctx.save_for_backward(directions)
         ctx.temperature, ctx.hidden_dtype = temperature, hidden.dtype
         ctx.mark_non_differentiable(entropy)

@@ -151,7 +151,8 @@ def test_fused_head_by_hand():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fused_head_matches_autograd_through_the_logits(temperature, monkeypatch):
-    monkeypatch.setattr(logprobs, "HEAD_TOKENS_PER_CHUNK", 2)  # 5 tokens: chunks of 2, 2 and 1
+    monkeypatch.setattr(logprobs, "HEAD_TOKENS_PER_CHUNK", 3)  # 5 tokens: products of 3 and 2 rows,
+    monkeypatch.setattr(logprobs, "TOKENS_PER_CHUNK", 2)  # log-softmax of 2 and 1, then 2 rows
     torch.manual_seed(0)
     hidden, weight = torch.randn(5, 4, requires_grad=True), torch.randn(11, 4)  # (M, E), (V, E)
     targets, upstream = torch.tensor([0, 3, 10, 2, 2]), torch.randn(5)
