@@ -17,24 +17,30 @@
   the model) against the padded pass with shared prompts (`completion_logits` and
   `token_logps_and_entropy`), forward + backward, same model; completions of 48 tokens in half
   the rows and 12 to 45 in the others (mean 38, as in the benchmark's rounds), s per pass;
-- attention in that pass: `attention.grouped_attention` (float32, query heads grouped) against
-  SDPA (`F.scaled_dot_product_attention` with `enable_gqa`, the math kernel on these short
-  batches), same packed pass, s per pass.
+- attention in that pass: `attention.grouped_attention` (query heads grouped) against SDPA
+  (`F.scaled_dot_product_attention` with `enable_gqa`, the math kernel on these short batches),
+  same packed pass, s per pass;
+- fused LM head: the same packed pass with the frozen LM head fused into the log-softmax
+  (`logprobs._ScoringHead`) against the model's own head and `token_logps_and_entropy`, the model
+  prepared as the trainer runs it (Accelerate bf16: autocast, outputs cast to float32), s per pass.
+The padding-free and attention levers run both sides with the model's own head.
 The two sides of a lever alternate (A, B, B, A, ...), so a machine whose speed drifts favours
 neither; each figure is the median of its repeats.
 """
 
+import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 
-from grpo_hf import packing
+from grpo_hf import logprobs, packing
 from grpo_hf.attention import grouped_attention
 from grpo_hf.decoding import BlockedLinear, LlamaDecoder, TransformersDecoder
 from grpo_hf.generation_copy import GenerationCopy
@@ -42,10 +48,10 @@ from grpo_hf.logprobs import (
     attention_kernel,
     completion_logits,
     packed_completion_logps,
-    token_logps_and_entropy,
 )
 from grpo_hf.models import DEFAULT_MODEL, load_model
 from grpo_hf.rollout import sample_tokens
+from grpo_hf.token_scores import token_logps_and_entropy
 
 ROWS, GROUP, PROMPT, COMPLETION = 16, 8, 29, 48
 OUTPUT = Path(__file__).resolve().parent / "results" / "levers.json"
@@ -148,12 +154,24 @@ def bench_completions(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> tupl
     return torch.cat([ids, completions], dim=1), torch.cat([mask, real], dim=1)
 
 
+@contextlib.contextmanager
+def unfused_head() -> Iterator[None]:
+    """Packed passes with the model's own LM head, then `token_logps_and_entropy` on its logits."""
+    fused = logprobs.frozen_head
+    logprobs.frozen_head = lambda model: None
+    try:
+        yield
+    finally:
+        logprobs.frozen_head = fused
+
+
 def padding_free_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
     input_ids, attention = bench_completions(ids, mask, policy.config.vocab_size)
     completions, real = input_ids[:, -COMPLETION:], attention[:, -COMPLETION:]
 
     def packed() -> torch.Tensor:
-        return packed_completion_logps(policy, input_ids, attention, COMPLETION)[0].sum()
+        with unfused_head():
+            return packed_completion_logps(policy, input_ids, attention, COMPLETION)[0].sum()
 
     def padded() -> torch.Tensor:
         with attention_kernel(input_ids):  # as `completion_logps` runs it
@@ -176,7 +194,7 @@ def attention_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tens
     def run(kernel: Callable) -> float:
         packing.grouped_attention = kernel
         try:
-            with attention_kernel(input_ids):
+            with attention_kernel(input_ids), unfused_head():
                 return fwd_bwd_seconds(
                     lambda: packed_completion_logps(policy, input_ids, attention, COMPLETION)[0].sum()
                 )
@@ -184,6 +202,23 @@ def attention_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tens
             packing.grouped_attention = grouped_attention
 
     return alternate(lambda: run(grouped_attention), lambda: run(sdpa), 6)
+
+
+def fused_head_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    input_ids, attention = bench_completions(ids, mask, policy.config.vocab_size)
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = accelerator.prepare_model(policy)  # wraps policy.forward: autocast, float32 outputs
+
+    def run(fused: bool) -> float:
+        with attention_kernel(input_ids), contextlib.nullcontext() if fused else unfused_head():
+            return fwd_bwd_seconds(
+                lambda: packed_completion_logps(model, input_ids, attention, COMPLETION)[0].sum()
+            )
+
+    try:
+        return alternate(lambda: run(True), lambda: run(False), 6)
+    finally:
+        accelerator.unwrap_model(model, keep_fp32_wrapper=False)  # policy.forward as it was
 
 
 def main() -> None:
@@ -201,6 +236,7 @@ def main() -> None:
         ("loss pass, shared prompts", "s", shared_prompts_lever(policy, ids, mask)),
         ("loss pass, padding-free", "s", padding_free_lever(policy, ids, mask)),
         ("packed pass attention", "s", attention_lever(policy, ids, mask)),
+        ("loss pass, fused LM head", "s", fused_head_lever(policy, ids, mask)),
     ]
     results = {}
     for name, unit, (ours, plain) in levers:

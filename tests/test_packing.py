@@ -14,9 +14,9 @@ from grpo_hf.logprobs import (
     completion_logits,
     completion_logps,
     packed_completion_logps,
-    token_logps_and_entropy,
 )
 from grpo_hf.packing import PackedRows, can_pack
+from grpo_hf.token_scores import token_logps_and_entropy
 
 
 def test_layout_of_two_rows_by_hand():

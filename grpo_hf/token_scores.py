@@ -1,0 +1,235 @@
+"""Log-probs and entropy of target tokens, from logits or from hidden states and a frozen LM head.
+
+The (M, V) scores are walked `TOKENS_PER_CHUNK` rows at a time in float32 work buffers reused
+across chunks, so no float32 copy of the whole logits (nor a softmax per chunk) is kept for
+backward, which recomputes what it needs (`_TokenLogps`). With a frozen LM head (LoRA) the head's
+product itself is chunked and fused in (`head_token_logps`): the (M, V) logits never exist, nor
+their gradient. Logits are divided by the sampling temperature, so log-probs are those of the
+distribution the completions were sampled from.
+"""
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+TOKENS_PER_CHUNK = 64
+# The fused LM head multiplies this many rows at a time (its log-softmax still takes
+# TOKENS_PER_CHUNK): each chunk reads the head's whole weight, and at V = 49k on a CPU the
+# products run ~30% slower in chunks of 64 rows, ~10% in chunks of 128.
+HEAD_TOKENS_PER_CHUNK = 256
+# exp() of a float32 below about -87.3 is denormal or 0, and PyTorch's vectorized exp takes a slow
+# path there: 7x slower over [-120, 0], where most of a 49k vocabulary's shifted logits lie. Every
+# exp here is of a logit minus the row's max (or its logsumexp); clamping at the floor changes
+# each such term by under 2e-38, and their sum (at least exp(0) = 1) not at all in float32.
+EXP_FLOOR = -87.0
+
+
+def _chunks(
+    like: torch.Tensor, rows: int, vocab: int, dtypes: tuple[torch.dtype, ...], size: int | None = None
+) -> Iterator[tuple[slice, list[torch.Tensor]]]:
+    """Row slices of `size` (`TOKENS_PER_CHUNK`), each with a (c, V) work buffer per dtype, reused.
+
+    Reusing them keeps the chunk loop from allocating (and, at these sizes, page-faulting in)
+    fresh 12-25 MB tensors for every operation.
+    """
+    size = size or TOKENS_PER_CHUNK
+    buffers = [like.new_empty(min(rows, size), vocab, dtype=dtype) for dtype in dtypes]
+    for start in range(0, rows, size):
+        end = min(start + size, rows)
+        yield slice(start, end), [buffer[: end - start] for buffer in buffers]
+
+
+def _scaled_into(out: torch.Tensor, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`out` (c, V) float32 <- logits (c, V) / temperature."""
+    out.copy_(logits)
+    return out if temperature == 1.0 else out.div_(temperature)
+
+
+def _score_chunk(
+    z: torch.Tensor, e: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """log p(targets), logsumexp(z), sum exp(z - max) and the entropy (if asked), each (c,), of z (c, V).
+
+    z is float32 logits already divided by the temperature; it is left holding z - max (clamped
+    at `EXP_FLOOR`) and e its exp.
+    """
+    top = z.amax(dim=-1, keepdim=True)  # (c, 1)
+    z.sub_(top)
+    target_z = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (c,)
+    torch.exp(z.clamp_(min=EXP_FLOOR), out=e)  # (c, V)
+    total = e.sum(dim=-1)  # (c,)
+    log_total = total.log()
+    entropy = None
+    if with_entropy:  # H = log sum e - sum(e z) / sum e, with z shifted by its max
+        entropy = log_total - torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1) / total
+    return target_z - log_total, top.squeeze(-1) + log_total, total, entropy
+
+
+class _TokenLogps(torch.autograd.Function):
+    """log softmax(logits / T) at the targets, and the entropy of softmax(logits / T), per token.
+
+    Forward and backward walk the (M, V) logits `TOKENS_PER_CHUNK` rows at a time in float32
+    buffers reused across chunks, and keep only the logits (in their own dtype) and two numbers
+    per token for backward, which recomputes the softmax. Autograd through the plain ops would
+    keep a float32 copy of the logits and the softmax of every chunk until backward, and take
+    about twice the passes over them. Gradients, with p = softmax(z), z = logits / T and H the
+    entropy: d log p_t / dz = onehot(t) - p;  dH / dz = -p * (log p + H).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+        with torch.autocast(logits.device.type, enabled=False):  # float32 throughout, bmm included
+            return _TokenLogps._forward(ctx, logits, targets, temperature, with_entropy)
+
+    @staticmethod
+    def _forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+        rows = logits.shape[0]
+        logps = logits.new_empty(rows, dtype=torch.float32)  # (M,)
+        log_norms = torch.empty_like(logps)  # (M,) logsumexp(z)
+        entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+        for chunk, (z, e) in _chunks(logits, rows, logits.shape[1], (torch.float32, torch.float32)):
+            _scaled_into(z, logits[chunk], temperature)  # (c, V)
+            logps[chunk], log_norms[chunk], _, chunk_entropy = _score_chunk(
+                z, e, targets[chunk], with_entropy
+            )
+            if with_entropy:
+                entropy[chunk] = chunk_entropy
+        ctx.save_for_backward(logits, targets, log_norms, entropy)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
+            return _TokenLogps._backward(ctx, grad_logps, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        """dL/dz = p * c + onehot(t) * dL/dlog p_t, with c = -dL/dlog p_t - (log p + H) * dL/dH per token."""
+        if grad_logps is None and grad_entropy is None:
+            return None, None, None, None
+        logits, targets, log_norms, entropy = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # (M, V)
+        for chunk, (log_p, p) in _chunks(logits, *logits.shape, (torch.float32, torch.float32)):
+            _scaled_into(log_p, logits[chunk], ctx.temperature).sub_(log_norms[chunk].unsqueeze(-1))  # (c, V)
+            torch.exp(log_p.clamp_(min=EXP_FLOOR), out=p)
+            if grad_entropy is None:
+                p.mul_(-grad_logps[chunk].unsqueeze(-1))
+            else:
+                coefficient = log_p.add_(entropy[chunk].unsqueeze(-1)).mul_(
+                    -grad_entropy[chunk].unsqueeze(-1)
+                )
+                if grad_logps is not None:
+                    coefficient.sub_(grad_logps[chunk].unsqueeze(-1))
+                p.mul_(coefficient)
+            if grad_logps is not None:
+                p.scatter_add_(-1, targets[chunk].unsqueeze(-1), grad_logps[chunk].unsqueeze(-1))
+            grad[chunk] = p if ctx.temperature == 1.0 else p.div_(ctx.temperature)
+        return grad, None, None, None
+
+
+def token_logps_and_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(targets) (...) and optionally the token entropy (...) of logits (..., V), in float32.
+
+    Both carry gradients to the logits (the entropy's cost nothing unless something uses it, such
+    as an entropy bonus); see `_TokenLogps`.
+    """
+    flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # (M, V), (M,)
+    logps, entropy = _TokenLogps.apply(flat_logits, flat_targets, temperature, with_entropy)
+    return logps.view(targets.shape), entropy.view(targets.shape) if with_entropy else None
+
+
+# Each frozen LM head weight's copy in a lower precision, with the (storage, version) it was cast at.
+_CASTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def _cast_frozen(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` in `dtype`, cast again only when the weight changed (its storage or version counter).
+
+    Under autocast a frozen weight is cast at every use: for a 49k x 576 head, a fresh 57 MB
+    tensor per pass. The copy is kept while the weight lives.
+    """
+    if weight.dtype == dtype:
+        return weight
+    stamp = (weight.data_ptr(), weight._version, dtype)
+    cached = _CASTS.get(weight)
+    if cached is None or cached[0] != stamp:
+        cached = _CASTS[weight] = (stamp, weight.detach().to(dtype))
+    return cached[1]
+
+
+class _HeadTokenLogps(torch.autograd.Function):
+    """`_TokenLogps` of the logits hidden @ weight.T of a frozen LM head, without the (M, V) logits.
+
+    The head's product is taken `HEAD_TOKENS_PER_CHUNK` rows at a time, in `dtype` (the autocast dtype
+    the model's own head would compute in), into a reused buffer. When the hidden states need a
+    gradient, forward also takes each token's d log p_t / d hidden = (onehot(t) - p) @ weight / T,
+    the product backward would otherwise take with the whole logits gradient; backward is then a
+    multiply by the incoming gradient. The FLOPs are the unfused pass's; gone are the (M, V)
+    logits, their float32 copy (Accelerate casts a bf16 model's outputs to float32) and their
+    gradient, each a fresh allocation of 60-110 MB per pass at the benchmark's shapes. The
+    entropy comes without a gradient: an entropy bonus takes the unfused path.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, dtype: torch.dtype):
+        with torch.autocast(hidden.device.type, enabled=False):  # products in `dtype`, softmax in float32
+            return _HeadTokenLogps._forward(ctx, hidden, weight, targets, temperature, with_entropy, dtype)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, dtype: torch.dtype):
+        rows, vocab = hidden.shape[0], weight.shape[0]
+        states, weight = hidden.to(dtype), _cast_frozen(weight, dtype)  # (M, E), (V, E)
+        logps = hidden.new_empty(rows, dtype=torch.float32)  # (M,)
+        entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+        directions = torch.empty_like(states) if ctx.needs_input_grad[0] else None  # (M, E)
+        for chunk, (product,) in _chunks(hidden, rows, vocab, (dtype,), HEAD_TOKENS_PER_CHUNK):
+            torch.mm(states[chunk], weight.t(), out=product)  # (c, V) logits
+            for part, (z, e) in _chunks(hidden, product.shape[0], vocab, (torch.float32, torch.float32)):
+                tokens = slice(chunk.start + part.start, chunk.start + part.stop)
+                _scaled_into(z, product[part], temperature)
+                logps[tokens], _, total, part_entropy = _score_chunk(z, e, targets[tokens], with_entropy)
+                if with_entropy:
+                    entropy[tokens] = part_entropy
+                if directions is not None:  # the logits' rows become onehot(t) - p
+                    ones = e.new_ones(1, 1).expand(z.shape[0], 1)
+                    product[part] = e.div_(-total.unsqueeze(-1)).scatter_add_(
+                        -1, targets[tokens].unsqueeze(-1), ones
+                    )
+            if directions is not None:
+                torch.mm(product, weight, out=directions[chunk])  # (c, E)
+        ctx.save_for_backward(directions)
+        ctx.temperature, ctx.hidden_dtype = temperature, hidden.dtype
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: None):
+        (directions,) = ctx.saved_tensors
+        grad = None
+        if grad_logps is not None and directions is not None:
+            grad = (directions * (grad_logps / ctx.temperature).unsqueeze(-1)).to(ctx.hidden_dtype)  # (M, E)
+        return grad, None, None, None, None, None
+
+
+def head_token_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(targets) and the entropy of the logits hidden (M, E) @ weight.T, for a frozen weight (V, E).
+
+    The products are taken in `dtype`. Both results are (M,) float32; the entropy is empty unless
+    `with_entropy`, and never carries a gradient.
+    """
+    return _HeadTokenLogps.apply(hidden, weight, targets, temperature, with_entropy, dtype)
