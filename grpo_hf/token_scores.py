@@ -25,16 +25,20 @@ HEAD_TOKENS_PER_CHUNK = 256
 EXP_FLOOR = -87.0
 
 
-def _chunks(
-    like: torch.Tensor, rows: int, vocab: int, dtypes: tuple[torch.dtype, ...], size: int | None = None
-) -> Iterator[tuple[slice, list[torch.Tensor]]]:
-    """Row slices of `size` (`TOKENS_PER_CHUNK`), each with a (c, V) work buffer per dtype, reused.
+def _buffers(
+    like: torch.Tensor, rows: int, vocab: int, dtypes: tuple[torch.dtype, ...]
+) -> list[torch.Tensor]:
+    """A (min(rows, chunk), V) work buffer per dtype, chunk = `TOKENS_PER_CHUNK`, for `_chunks`.
 
     Reusing them keeps the chunk loop from allocating (and, at these sizes, page-faulting in)
-    fresh 12-25 MB tensors for every operation.
+    fresh 12 MB tensors for every operation.
     """
-    size = size or TOKENS_PER_CHUNK
-    buffers = [like.new_empty(min(rows, size), vocab, dtype=dtype) for dtype in dtypes]
+    return [like.new_empty(min(rows, TOKENS_PER_CHUNK), vocab, dtype=dtype) for dtype in dtypes]
+
+
+def _chunks(rows: int, buffers: list[torch.Tensor]) -> Iterator[tuple[slice, list[torch.Tensor]]]:
+    """Row slices as long as the buffers, each with as many leading rows of every buffer."""
+    size = buffers[0].shape[0]
     for start in range(0, rows, size):
         end = min(start + size, rows)
         yield slice(start, end), [buffer[: end - start] for buffer in buffers]
@@ -88,7 +92,8 @@ class _TokenLogps(torch.autograd.Function):
         logps = logits.new_empty(rows, dtype=torch.float32)  # (M,)
         log_norms = torch.empty_like(logps)  # (M,) logsumexp(z)
         entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
-        for chunk, (z, e) in _chunks(logits, rows, logits.shape[1], (torch.float32, torch.float32)):
+        scratch = _buffers(logits, rows, logits.shape[1], (torch.float32, torch.float32))
+        for chunk, (z, e) in _chunks(rows, scratch):
             _scaled_into(z, logits[chunk], temperature)  # (c, V)
             logps[chunk], log_norms[chunk], _, chunk_entropy = _score_chunk(
                 z, e, targets[chunk], with_entropy
@@ -112,7 +117,8 @@ class _TokenLogps(torch.autograd.Function):
             return None, None, None, None
         logits, targets, log_norms, entropy = ctx.saved_tensors
         grad = torch.empty_like(logits)  # (M, V)
-        for chunk, (log_p, p) in _chunks(logits, *logits.shape, (torch.float32, torch.float32)):
+        scratch = _buffers(logits, *logits.shape, (torch.float32, torch.float32))
+        for chunk, (log_p, p) in _chunks(logits.shape[0], scratch):
             _scaled_into(log_p, logits[chunk], ctx.temperature).sub_(log_norms[chunk].unsqueeze(-1))  # (c, V)
             torch.exp(log_p.clamp_(min=EXP_FLOOR), out=p)
             if grad_entropy is None:
@@ -190,9 +196,11 @@ class _HeadTokenLogps(torch.autograd.Function):
         logps = hidden.new_empty(rows, dtype=torch.float32)  # (M,)
         entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
         directions = torch.empty_like(states) if ctx.needs_input_grad[0] else None  # (M, E)
-        for chunk, (product,) in _chunks(hidden, rows, vocab, (dtype,), HEAD_TOKENS_PER_CHUNK):
+        products = [hidden.new_empty(min(rows, HEAD_TOKENS_PER_CHUNK), vocab, dtype=dtype)]
+        scratch = _buffers(hidden, rows, vocab, (torch.float32, torch.float32))  # one pair for every chunk
+        for chunk, (product,) in _chunks(rows, products):
             torch.mm(states[chunk], weight.t(), out=product)  # (c, V) logits
-            for part, (z, e) in _chunks(hidden, product.shape[0], vocab, (torch.float32, torch.float32)):
+            for part, (z, e) in _chunks(product.shape[0], scratch):
                 tokens = slice(chunk.start + part.start, chunk.start + part.stop)
                 _scaled_into(z, product[part], temperature)
                 logps[tokens], _, total, part_entropy = _score_chunk(z, e, targets[tokens], with_entropy)
