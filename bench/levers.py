@@ -40,18 +40,19 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 
-from grpo_hf import logprobs, packing
-from grpo_hf.attention import grouped_attention
-from grpo_hf.decoding import BlockedLinear, LlamaDecoder, TransformersDecoder
-from grpo_hf.generation_copy import GenerationCopy
-from grpo_hf.logprobs import (
+from grpo_hf.engine import logprobs, packing
+from grpo_hf.engine.attention import grouped_attention
+from grpo_hf.engine.cpu import BlockedLinear
+from grpo_hf.engine.decoding import LlamaDecoder, TransformersDecoder
+from grpo_hf.engine.generation_copy import GenerationCopy
+from grpo_hf.engine.logprobs import (
     attention_kernel,
     completion_logits,
     packed_completion_logps,
 )
+from grpo_hf.engine.token_scores import token_logps_and_entropy
 from grpo_hf.models import DEFAULT_MODEL, load_model
 from grpo_hf.rollout import sample_tokens
-from grpo_hf.token_scores import token_logps_and_entropy
 
 ROWS, GROUP, PROMPT, COMPLETION = 16, 8, 29, 48
 OUTPUT = Path(__file__).resolve().parent / "results" / "levers.json"

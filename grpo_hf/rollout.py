@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from grpo_hf.decoding import decoder_for
+from grpo_hf.engine.decoding import decoder_for
 
 logger = logging.getLogger(__name__)
 

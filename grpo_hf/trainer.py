@@ -44,8 +44,8 @@ from grpo_hf.checkpoints import (
 )
 from grpo_hf.config import GRPOConfig
 from grpo_hf.data import GroupSampler, check_prompt_dataset, split_batch, trim_padding
-from grpo_hf.generation_copy import GenerationCopy
-from grpo_hf.logprobs import completion_logps
+from grpo_hf.engine.generation_copy import GenerationCopy
+from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.loss import adaptive_beta, grpo_loss
 from grpo_hf.metrics import log_completion_table, round_metrics
 from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft

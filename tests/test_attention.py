@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo_hf.attention import grouped_attention
+from grpo_hf.engine.attention import grouped_attention
 
 
 def test_two_keys_by_hand():

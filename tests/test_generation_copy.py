@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from grpo_hf import GRPOTrainer, rollout
-from grpo_hf.generation_copy import DECODE_ATTENTION, GenerationCopy, decode_attention
+from grpo_hf.engine.generation_copy import DECODE_ATTENTION, GenerationCopy, decode_attention
 
 
 def logits(model, ids):

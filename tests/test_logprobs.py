@@ -5,8 +5,8 @@ import torch
 from test_token_scores import direct
 from tiny_models import tiny_gpt2, tiny_llama
 
-from grpo_hf import logprobs
-from grpo_hf.logprobs import completion_logps, position_ids_from_mask
+from grpo_hf.engine import logprobs
+from grpo_hf.engine.logprobs import completion_logps, position_ids_from_mask
 
 
 def test_position_ids_skip_left_padding():

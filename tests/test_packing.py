@@ -9,14 +9,14 @@ from test_decoding import llama_with_rope_scaling
 from test_logprobs import grouped_batch
 from tiny_models import tiny_gpt2, tiny_llama, tiny_mistral
 
-from grpo_hf import packing
-from grpo_hf.logprobs import (
+from grpo_hf.engine import packing
+from grpo_hf.engine.logprobs import (
     completion_logits,
     completion_logps,
     packed_completion_logps,
 )
-from grpo_hf.packing import PackedRows, can_pack
-from grpo_hf.token_scores import token_logps_and_entropy
+from grpo_hf.engine.packing import PackedRows, can_pack
+from grpo_hf.engine.token_scores import token_logps_and_entropy
 
 
 def test_layout_of_two_rows_by_hand():

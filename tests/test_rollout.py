@@ -6,7 +6,7 @@ from tiny_models import tiny_gpt2, tiny_llama, tiny_tokenizer
 from transformers import GenerationConfig
 
 from grpo_hf import rollout
-from grpo_hf.logprobs import unique_rows
+from grpo_hf.engine.logprobs import unique_rows
 
 
 def prompts(tokenizer, repeats: int = 3):

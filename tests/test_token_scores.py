@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from grpo_hf import token_scores
-from grpo_hf.token_scores import token_logps_and_entropy
+from grpo_hf.engine import token_scores
+from grpo_hf.engine.token_scores import token_logps_and_entropy
 
 
 def direct(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):

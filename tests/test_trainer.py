@@ -10,7 +10,7 @@ from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward
 from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
-from grpo_hf.logprobs import completion_logps
+from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.reference import reference_context
 
 

@@ -8,7 +8,7 @@ from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
 from transformers import LlamaConfig, LlamaForSequenceClassification, TrainerCallback
 
-from grpo_hf.logprobs import completion_logps
+from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.scoring import score_with_model
 
 

@@ -22,7 +22,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from grpo_hf.attention import bias_from, grouped_attention
+from grpo_hf.engine.attention import bias_from, grouped_attention
 from grpo_hf.reference import is_peft_model
 
 DECODE_ATTENTION = "grpo_hf_decode"

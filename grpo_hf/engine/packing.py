@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 
-from grpo_hf.attention import bias_from, causal_allowed, grouped_attention
+from grpo_hf.engine.attention import bias_from, causal_allowed, grouped_attention
 
 PACKED_ATTENTION = "grpo_hf_packed"
 PACKABLE_MODEL_TYPES = frozenset({"llama", "gpt2"})

@@ -25,8 +25,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache
 
-from grpo_hf.packing import PackedRows, can_pack, packed_forward, unwrapped
-from grpo_hf.token_scores import head_token_logps, token_logps_and_entropy
+from grpo_hf.engine.packing import PackedRows, can_pack, packed_forward, unwrapped
+from grpo_hf.engine.token_scores import head_token_logps, token_logps_and_entropy
 
 # Largest rows x length^2 that takes the math attention kernel on a CPU: 16 rows of 256 tokens.
 # Its backward keeps the attention weights, rows x heads x length^2 per layer.

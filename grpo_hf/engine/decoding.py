@@ -7,8 +7,9 @@ every layer's keys and values at every step, and (with the float32 decode attent
 (`LlamaForCausalLM`: SmolLM2, Llama 2/3, TinyLlama, ...) `LlamaDecoder` runs the same computation
 directly on the model's weights:
 - q/k/v and gate/up projections are one matmul each, on weights reordered into oneDNN's blocked
-  layout on a CPU (`BlockedLinear`), for the prompt prefill too; a weight is reordered again only
-  when it changed (`BlockedWeights`: with LoRA, the merged projections once per round);
+  layout on a CPU that supports it for the weights' dtype (`cpu.BlockedLinear`; plain `F.linear`
+  elsewhere), for the prompt prefill too; a weight is reordered again only when it changed
+  (`cpu.BlockedWeights`: with LoRA, the merged projections once per round);
 - each distinct prompt is prefilled once; keys and values go into a float32 cache allocated once
   for the whole completion, and attention is `attention.grouped_attention` over it;
 - RMSNorm, RoPE and the residual stream round exactly where transformers' Llama does (tests
@@ -24,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grpo_hf.attention import bias_from, causal_allowed, grouped_attention
-from grpo_hf.logprobs import position_ids_from_mask, prefill_prompts, unique_rows
+from grpo_hf.engine.attention import bias_from, causal_allowed, grouped_attention
+from grpo_hf.engine.cpu import BlockedLinear, BlockedWeights
+from grpo_hf.engine.logprobs import position_ids_from_mask, prefill_prompts, unique_rows
 
 
 class TransformersDecoder:
@@ -72,26 +74,6 @@ def is_plain_llama(model: nn.Module) -> bool:
     )
 
 
-class BlockedLinear:
-    """x (rows, in) -> x @ weight.T for a fixed weight, in oneDNN's blocked layout on a CPU.
-
-    oneDNN reorders a plain weight into its blocked layout inside every matmul; for the few rows
-    of a decoding step that reorder costs as much as the product itself. Reordering once
-    (`_reorder_linear_weight`, sized for `rows`; `BlockedWeights` decides when again) halves the
-    step's matmul time on the benchmark's shapes, with bit-identical bf16 results
-    (`bench/levers.py`). Elsewhere (a GPU, no oneDNN) the weight is used as it is.
-    """
-
-    def __init__(self, weight: torch.Tensor, rows: int):
-        self.packed = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if self.packed else weight
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        return F.linear(x, self.weight)
-
-
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm: normalise in float32, round to the input dtype, then scale."""
     x = hidden.float()
@@ -120,36 +102,6 @@ def _feed_forward(
     """hidden (..., E) plus Llama's SwiGLU MLP of its RMS-normed self."""
     gate, up = gate_up(_rms_norm(hidden, norm, eps).view(-1, hidden.shape[-1])).chunk(2, dim=-1)
     return hidden + down(F.silu(gate) * up).view(hidden.shape)
-
-
-class BlockedWeights:
-    """One model's `BlockedLinear`s, reordered again only where a source weight changed.
-
-    Generation reorders every weight it multiplies by; between rounds only some change (with LoRA,
-    the merged q/k/v/o projections of the generation copy), so the rest (MLPs, LM head) are
-    reordered once per model. A frozen weight counts as changed when its storage or version
-    counter (bumped by in-place writes such as `GenerationCopy.refresh`'s `copy_`) differs from the
-    one last reordered. A weight that requires grad is reordered every time: an optimizer may
-    write it without bumping its version counter (fused AdamW does).
-    """
-
-    def __init__(self):
-        self.entries: dict[tuple[int, ...], tuple] = {}  # ids -> (weights, stamp, BlockedLinear)
-
-    def reorder(self, groups: list[tuple[torch.Tensor, ...]], rows: int) -> list[BlockedLinear]:
-        """x @ cat(group).T for each group of weights; entries of weights not asked for are dropped."""
-        entries, linears = {}, []
-        for weights in groups:
-            key = tuple(id(weight) for weight in weights)  # unique while the entry holds the weights
-            stamp = tuple((weight.data_ptr(), weight._version) for weight in weights)
-            cached = self.entries.get(key)
-            if cached is None or cached[1] != stamp or any(weight.requires_grad for weight in weights):
-                joined = torch.cat(weights) if len(weights) > 1 else weights[0]
-                cached = (weights, stamp, BlockedLinear(joined, rows))
-            entries[key] = cached
-            linears.append(cached[2])
-        self.entries = entries
-        return linears
 
 
 _BLOCKED_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, BlockedWeights]" = weakref.WeakKeyDictionary()

@@ -1,0 +1,95 @@
+"""What this CPU computes natively, and the CPU's fast matmul for decoding (oneDNN blocked weights).
+
+CPUs differ in what they can do with bf16. With AVX-512-BF16 or AMX a bf16 matmul is about twice
+as fast as a float32 one; without them (AVX2-only x86, most ARM builds of PyTorch) PyTorch's bf16
+matmuls fall back to a reference GEMM many times slower than float32, and oneDNN's bf16 weight
+reorder raises. Each fast path here asks once what the CPU can do and has a plain fallback that is
+correct everywhere; tests force the fallback with `monkeypatch` on these functions.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (x86 AVX-512-BF16 or AMX tiles)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@functools.cache
+def blocked_matmul_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can reorder a `dtype` weight into its blocked layout and multiply by it here.
+
+    oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, its fp16 one similar; the
+    float32 one runs on any x86 oneDNN build. Beyond asking oneDNN, one small product is tried and
+    compared with `F.linear`, so a build whose kernels misbehave (an ARM build, say) falls back too.
+    """
+    supported = {
+        torch.float32: torch.backends.mkldnn.is_available,
+        torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+        torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,
+    }.get(dtype)
+    if supported is None or not torch.backends.mkldnn.is_available() or not supported():
+        return False
+    weight = torch.linspace(-1, 1, 64).view(8, 8).to(dtype)
+    x = torch.linspace(1, -1, 16).view(2, 8).to(dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 2)
+        product = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return torch.allclose(product.float(), F.linear(x, weight).float(), atol=1e-2)
+
+
+class BlockedLinear:
+    """x (rows, in) -> x @ weight.T for a fixed weight, in oneDNN's blocked layout where the CPU can.
+
+    oneDNN reorders a plain weight into its blocked layout inside every matmul; for the few rows
+    of a decoding step that reorder costs as much as the product itself. Reordering once
+    (`_reorder_linear_weight`, sized for `rows`; `BlockedWeights` decides when again) halves the
+    step's matmul time on the benchmark's shapes, with bit-identical bf16 results
+    (`bench/levers.py`). Where `blocked_matmul_supported` says no (a GPU, a CPU without the
+    instructions for this dtype) the weight is used as it is, through `F.linear`.
+    """
+
+    def __init__(self, weight: torch.Tensor, rows: int):
+        self.packed = weight.device.type == "cpu" and blocked_matmul_supported(weight.dtype)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if self.packed else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
+class BlockedWeights:
+    """One model's `BlockedLinear`s, reordered again only where a source weight changed.
+
+    Generation reorders every weight it multiplies by; between rounds only some change (with LoRA,
+    the merged q/k/v/o projections of the generation copy), so the rest (MLPs, LM head) are
+    reordered once per model. A frozen weight counts as changed when its storage or version
+    counter (bumped by in-place writes such as `GenerationCopy.refresh`'s `copy_`) differs from the
+    one last reordered. A weight that requires grad is reordered every time: an optimizer may
+    write it without bumping its version counter (fused AdamW does).
+    """
+
+    def __init__(self):
+        self.entries: dict[tuple[int, ...], tuple] = {}  # ids -> (weights, stamp, BlockedLinear)
+
+    def reorder(self, groups: list[tuple[torch.Tensor, ...]], rows: int) -> list[BlockedLinear]:
+        """x @ cat(group).T for each group of weights; entries of weights not asked for are dropped."""
+        entries, linears = {}, []
+        for weights in groups:
+            key = tuple(id(weight) for weight in weights)  # unique while the entry holds the weights
+            stamp = tuple((weight.data_ptr(), weight._version) for weight in weights)
+            cached = self.entries.get(key)
+            if cached is None or cached[1] != stamp or any(weight.requires_grad for weight in weights):
+                joined = torch.cat(weights) if len(weights) > 1 else weights[0]
+                cached = (weights, stamp, BlockedLinear(joined, rows))
+            entries[key] = cached
+            linears.append(cached[2])
+        self.entries = entries
+        return linears
