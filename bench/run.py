@@ -1,6 +1,6 @@
 """Our GRPO step against TRL's on the same machine and workload: per-step time, peak RSS, tokens/s.
 
-    python bench/run.py                                   # ours (bf16) vs TRL (fp32 and bf16), 6 steps
+    python bench/run.py                                   # ours vs TRL, each at the precisions this CPU runs natively
     python bench/run.py --sides ours --steps 2 --max-completion-length 8    # a quick check, no TRL
 
 Each side and precision trains in its own subprocess (`bench/worker.py`), one after the other, so
@@ -9,6 +9,9 @@ worker's docstring. The whole sequence runs `--rounds` times, every other round 
 (ours, TRL, TRL, ours), so that a machine whose speed drifts during the benchmark favours neither
 side. The step time of a side is the median over its steps after the first of each run; each side
 is scored at its fastest precision, and the ratio is TRL's median over ours (the goal is >= 3).
+`auto` precisions (the default) run bf16 only on a CPU that multiplies it natively (AVX-512-BF16 or
+AMX): elsewhere bf16 matmuls are emulated and a bf16 side would take an hour to say it is slower
+than its own float32, so it is skipped, and the output says so; name it explicitly to run it anyway.
 Everything, with machine information and the commands to rerun, goes to bench/results/latest.json.
 
 TRL is needed only for `--sides trl`: `pip install -e ".[bench]"` (or `make bench`).
@@ -27,6 +30,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from grpo_hf.engine.cpu import native_bf16
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "worker.py"
 GOAL_RATIO = 3.0
@@ -38,8 +45,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line settings; the workload defaults are the issue's (G=8, 2 prompts, 48 tokens)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sides", default="ours,trl", help="Comma-separated: ours, trl.")
-    parser.add_argument("--ours-precisions", default="bf16", help="Comma-separated: fp32, bf16.")
-    parser.add_argument("--trl-precisions", default="fp32,bf16", help="Comma-separated: fp32, bf16.")
+    parser.add_argument(
+        "--ours-precisions",
+        default="auto",
+        help="Comma-separated: fp32, bf16; auto: bf16 if native, else fp32.",
+    )
+    parser.add_argument(
+        "--trl-precisions",
+        default="auto",
+        help="Comma-separated: fp32, bf16; auto: fp32, and bf16 if native.",
+    )
     parser.add_argument(
         "--steps", type=int, default=6, help="Optimizer steps per side; the first is not timed."
     )
@@ -59,8 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "latest.json"))
     args = parser.parse_args(argv)
     args.sides = _choices(parser, "--sides", args.sides, ("ours", "trl"))
-    args.ours_precisions = _choices(parser, "--ours-precisions", args.ours_precisions, PRECISIONS)
-    args.trl_precisions = _choices(parser, "--trl-precisions", args.trl_precisions, PRECISIONS)
+    args.skipped = []
+    args.ours_precisions = _precisions(parser, "ours", args.ours_precisions, args.skipped)
+    args.trl_precisions = _precisions(parser, "trl", args.trl_precisions, args.skipped)
     if args.steps < 2:
         parser.error("--steps must be >= 2: the first step is a warm-up and is not timed.")
     if args.rounds < 1:
@@ -73,6 +89,16 @@ def _choices(parser: argparse.ArgumentParser, flag: str, value: str, allowed: tu
     if not items or any(item not in allowed for item in items):
         parser.error(f"{flag}={value!r}: give a comma-separated list from {', '.join(allowed)}.")
     return list(dict.fromkeys(items))
+
+
+def _precisions(parser: argparse.ArgumentParser, side: str, value: str, skipped: list[str]) -> list[str]:
+    """A side's precisions; 'auto' drops bf16 where this CPU has no native bf16 (noted in `skipped`)."""
+    if value != "auto":
+        return _choices(parser, f"--{side}-precisions", value, PRECISIONS)
+    if native_bf16():
+        return ["bf16"] if side == "ours" else ["fp32", "bf16"]
+    skipped.append(f"{side}_bf16")
+    return ["fp32"]
 
 
 def runs(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -186,6 +212,8 @@ def machine_info() -> dict:
             versions[package] = None
     return {
         "cpu_model": cpu_model,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16": native_bf16(),
         "cpu_count": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "load_average_at_start": os.getloadavg(),
@@ -225,8 +253,14 @@ def print_report(report: dict) -> None:
     """A table of every run, the ratio, and the commands to rerun."""
     machine = report["machine"]
     print(
-        f"\nMachine: {machine['cpu_model']}, {machine['usable_cores']} cores, load {machine['load_average_at_start']}"
+        f"\nMachine: {machine['cpu_model']} ({machine['cpu_capability']}, native bf16: "
+        f"{'yes' if machine['native_bf16'] else 'no'}), {machine['usable_cores']} cores, "
+        f"load {machine['load_average_at_start']}"
     )
+    for key in report["skipped"]:
+        print(
+            f"{key:<10} skipped: this CPU has no native bf16 (emulated bf16 matmuls); name it to run it anyway"
+        )
     print(f"Versions: {machine['versions']}")
     header = f"{'run':<10} {'median s/step':>13} {'peak RSS MB':>11} {'gen tok/s':>9} {'mean len':>8} threads {'other CPU':>9}"
     print(header)
@@ -310,6 +344,7 @@ def main() -> None:
             "threads": args.threads,
         },
         "runs": results,
+        "skipped": args.skipped,
         "summary": summarize(results),
         "commands": {"run": rerun_command(), "make": "make bench", "workers": commands},
     }

@@ -8,13 +8,17 @@ produces `generation_batch_size` completions across all processes and feeds
 
 from dataclasses import dataclass, field
 
+import torch
 from transformers import TrainingArguments
+
+from grpo_hf.engine import native_bf16
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 REWARD_ERROR_POLICIES = ("raise", "zero")
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 @dataclass
@@ -139,6 +143,14 @@ class GRPOConfig(TrainingArguments):
     )
 
     # ---- Speed -------------------------------------------------------------------------------
+    precision: str | None = field(
+        default=None,
+        metadata={
+            "help": "'auto': bf16 where the device computes it natively (a CUDA GPU with bf16; a CPU with "
+            "AVX-512-BF16 or AMX), float32 elsewhere, logged at start. 'bf16' / 'fp32': that one. It sets "
+            "--bf16 (and --use_cpu for bf16 on a CPU). Unset: --bf16 / --fp16 as given."
+        },
+    )
     generation_dtype: str | None = field(
         default=None,
         metadata={
@@ -157,11 +169,27 @@ class GRPOConfig(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        self._resolve_precision()
         super().__post_init__()
         self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         self._check_choices()
         self._check_ranges()
         self._resolve_generation_batch()
+
+    def _resolve_precision(self) -> None:
+        """precision -> the --bf16 flag; 'auto' from what the device computes natively."""
+        if self.precision is None:
+            return
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not one of {PRECISIONS}; or leave it unset.")
+        if self.fp16 or (self.bf16 and self.precision != "bf16"):
+            raise ValueError(
+                f"precision={self.precision!r} sets the precision itself; unset --bf16 / --fp16, or unset precision."
+            )
+        auto = self.precision == "auto"
+        self.bf16 = native_bf16(self.use_cpu)[0] if auto else self.precision == "bf16"
+        if self.bf16 and not torch.cuda.is_available():
+            self.use_cpu = True  # transformers asks for it to run bf16 on a CPU
 
     def _check_choices(self) -> None:
         for name, allowed in (

@@ -44,12 +44,13 @@ from grpo_hf.checkpoints import (
 )
 from grpo_hf.config import GRPOConfig
 from grpo_hf.data import GroupSampler, check_prompt_dataset, split_batch, trim_padding
+from grpo_hf.engine import native_bf16
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.loss import adaptive_beta, grpo_loss
 from grpo_hf.metrics import log_completion_table, round_metrics
 from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
-from grpo_hf.reference import build_reference, mix_into_reference, reference_context
+from grpo_hf.reference import build_reference, is_peft_model, mix_into_reference, reference_context
 from grpo_hf.scoring import RewardFunc, RewardModel, reward_functions, reward_name, score_completions
 from grpo_hf.sharding import (
     parameters_for_mixing,
@@ -124,6 +125,7 @@ class GRPOTrainer(Trainer):
         for reward in self.reward_funcs:
             if isinstance(reward, RewardModel):
                 reward.model = self.accelerator.prepare_model(reward.model, evaluation_mode=True)
+        self._log_precision()
         self.generation_copy = self._build_generation_copy()
         self.reward_weights = torch.tensor(
             args.reward_weights or [1.0] * len(self.reward_funcs), dtype=torch.float32
@@ -185,16 +187,38 @@ class GRPOTrainer(Trainer):
     def _get_eval_sampler(self, eval_dataset: Dataset) -> Sampler:
         return GroupSampler(len(eval_dataset), self.args.num_generations, 1, 1, self.args.seed)
 
+    def _log_precision(self) -> None:
+        """Say which precision precision='auto' chose, or that an explicit --bf16 will be emulated."""
+        native, line = native_bf16(use_cpu=self.args.device.type == "cpu")
+        if not self.accelerator.is_main_process:
+            return
+        if self.args.precision == "auto":
+            logger.warning(line)
+        elif self.args.bf16 and not native:
+            logger.warning(
+                "--bf16 is set but bf16 is not native here (%s): its matmuls are emulated, several times "
+                "slower than float32. Set precision='auto' (or drop --bf16) to train in float32.",
+                line.split(", ", 1)[1],
+            )
+
     def _build_generation_copy(self) -> GenerationCopy | None:
-        """A low-precision copy to sample from, when generation_dtype (or --bf16) asks for one."""
+        """A plain copy to sample from: in generation_dtype (or bf16 under --bf16), and with LoRA always.
+
+        With LoRA the copy holds the adapters merged, so a Llama decodes through `LlamaDecoder` on
+        plain weights instead of the PEFT model's forward (a float32 round of the bench workload on an
+        AVX2 CPU: see README); it costs one more copy of the weights in that dtype.
+        """
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         if sharded and self.args.generation_dtype is not None:
             raise ValueError(
                 "generation_dtype needs the whole model on each process; unset it under FSDP/DeepSpeed."
             )
-        name = self.args.generation_dtype or ("bfloat16" if self.args.bf16 and not sharded else None)
-        dtype = getattr(torch, name) if name else None
-        if dtype is None or dtype == next(self.model.parameters()).dtype:
+        if sharded:
+            return None
+        model_dtype = next(self.model.parameters()).dtype
+        name = self.args.generation_dtype or ("bfloat16" if self.args.bf16 else None)
+        dtype = getattr(torch, name) if name else model_dtype
+        if dtype == model_dtype and not is_peft_model(self.model):
             return None
         return GenerationCopy(self.model, dtype)
 

@@ -1,5 +1,6 @@
 """Smoke test of the benchmark script: bench/run.py, our side only (no TRL needed), tiny settings."""
 
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -8,7 +9,30 @@ from pathlib import Path
 
 import pytest
 
+from grpo_hf.engine.cpu import native_bf16
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench_run_module():
+    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precisions_skip_bf16_where_it_is_emulated(native, monkeypatch):
+    run = bench_run_module()
+    monkeypatch.setattr(run, "native_bf16", lambda: native)
+    args = run.parse_args([])
+    if native:
+        assert (args.ours_precisions, args.trl_precisions, args.skipped) == (["bf16"], ["fp32", "bf16"], [])
+    else:
+        assert (args.ours_precisions, args.trl_precisions) == (["fp32"], ["fp32"])
+        assert args.skipped == ["ours_bf16", "trl_bf16"]
+    named = run.parse_args(["--ours-precisions", "bf16", "--trl-precisions", "bf16,fp32"])
+    assert (named.ours_precisions, named.trl_precisions, named.skipped) == (["bf16"], ["bf16", "fp32"], [])
 
 
 @pytest.mark.slow
@@ -25,9 +49,13 @@ def test_bench_runs_our_side_and_writes_every_field(tmp_path):
 
     for key in ("cpu_model", "cpu_count", "usable_cores", "versions"):
         assert key in report["machine"]
+    assert report["machine"]["native_bf16"] == native_bf16()
+    assert report["machine"]["cpu_capability"] in ("AVX2", "AVX512", "DEFAULT", "NO AVX", "ZVECTOR", "SVE256")
+    ours = "ours_bf16" if native_bf16() else "ours_fp32"  # the precision this CPU runs natively
     assert {"torch", "transformers", "trl"} <= set(report["machine"]["versions"])
-    assert set(report["runs"]) == {"ours_bf16"}
-    run = report["runs"]["ours_bf16"]
+    assert set(report["runs"]) == {ours}
+    assert report["skipped"] == ([] if native_bf16() else ["ours_bf16"])
+    run = report["runs"][ours]
     assert run["runs"] == 2 and len(run["per_run"]) == 2
     # The first step of each run is not timed: one timed step per run, and their median.
     assert run["timed_step_seconds"] == [r["step_seconds"][1] for r in run["per_run"]]
@@ -39,7 +67,7 @@ def test_bench_runs_our_side_and_writes_every_field(tmp_path):
     assert run["torch_threads"] >= 1
     assert run["seconds_per_1k_completion_tokens"] > 0
     assert "other_processes_cpu_share" in run
-    assert report["summary"]["ours"] == "ours_bf16"
+    assert report["summary"]["ours"] == ours
     assert report["summary"]["ratio_trl_over_ours"] is None  # no TRL side was run
     assert "bench/run.py" in report["commands"]["run"]
     assert "Rerun everything" in done.stdout

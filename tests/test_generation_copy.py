@@ -94,3 +94,26 @@ def test_generation_copy_decodes_the_same_tokens_as_the_policy(build):
     ours = rollout.generate(copy, ids, mask, config).completion_ids
     theirs = rollout.generate(policy, ids, mask, config).completion_ids
     assert torch.equal(ours, theirs)
+
+
+@torch.no_grad()
+def test_float32_lora_training_samples_from_a_merged_float32_copy(tmp_path):
+    """With LoRA a copy is made in the model's own dtype too, so a Llama decodes on plain weights."""
+    policy = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:
+            param.normal_(0, 0.5)  # adapters that change the model
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=length_reward,
+        args=make_config(tmp_path),
+        train_dataset=chat_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    copy = trainer.generation_copy
+    assert copy is not None and next(copy.model.parameters()).dtype == torch.float32
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    mask = torch.ones_like(ids)
+    config = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=[2])
+    merged = rollout.generate(copy.refresh(), ids, mask, config).completion_ids
+    assert torch.equal(merged, rollout.generate(policy, ids, mask, config).completion_ids)

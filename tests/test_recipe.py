@@ -67,7 +67,7 @@ def test_recipe_full_finetuning_on_two_zero3_processes(tmp_path):
         "--main_process_port", str(free_port()), "--num_cpu_threads_per_process", "1",
     )  # fmt: skip
     done = run_recipe(
-        tmp_path / "out", "--model_name_or_path", str(model_dir), "--use_peft", "false", "--bf16", "false",
+        tmp_path / "out", "--model_name_or_path", str(model_dir), "--use_peft", "false", "--precision", "fp32",
         "--per_device_train_batch_size", "2", launcher=launcher,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

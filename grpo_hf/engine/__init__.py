@@ -11,3 +11,24 @@ knows which path answered. Modules:
 - `logprobs`, `packing`, `attention`, `token_scores`: the padding-free loss passes and the chunked
   log-softmax.
 """
+
+import torch
+
+from grpo_hf.engine import cpu
+
+
+def native_bf16(use_cpu: bool) -> tuple[bool, str]:
+    """Whether the training device multiplies bf16 natively, and a line saying so, for precision='auto'.
+
+    A CUDA GPU with bf16 (Ampere and later); a CPU with AVX-512-BF16 or AMX. Elsewhere (AVX2-only
+    x86, ARM, older GPUs) bf16 matmuls are emulated and slower than float32.
+    """
+    if not use_cpu and torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"precision: bf16, {name} computes bf16 natively"
+        return False, f"precision: fp32, {name} has no native bf16"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if cpu.native_bf16():
+        return True, f"precision: bf16, this CPU ({capability}) has AVX-512-BF16 or AMX"
+    return False, f"precision: fp32, this CPU ({capability}) has no native bf16"

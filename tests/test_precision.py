@@ -1,0 +1,70 @@
+"""precision='auto': bf16 only where the device multiplies it natively, logged once; a warning for
+an explicit --bf16 where bf16 is emulated. The CPU's answer is monkeypatched both ways."""
+
+import logging
+
+import pytest
+from tiny_models import tiny_llama, tiny_tokenizer
+from trainer_helpers import chat_dataset, length_reward, make_config
+
+from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.engine import cpu
+
+
+@pytest.fixture(params=[True, False], ids=["native-bf16", "no-native-bf16"])
+def native(request, monkeypatch) -> bool:
+    monkeypatch.setattr(cpu, "native_bf16", lambda: request.param)
+    return request.param
+
+
+def test_auto_picks_bf16_only_where_the_cpu_computes_it(tmp_path, native):
+    args = make_config(tmp_path, precision="auto", use_cpu=False)
+    assert args.bf16 is native and not args.fp16
+    assert args.use_cpu or not native  # transformers wants use_cpu for bf16 on a CPU
+
+
+def test_auto_on_this_machine_follows_its_instruction_sets(tmp_path):
+    assert make_config(tmp_path, precision="auto").bf16 is cpu.native_bf16()
+
+
+@pytest.mark.parametrize(("precision", "bf16"), [("bf16", True), ("fp32", False)])
+def test_named_precisions(tmp_path, precision, bf16):
+    assert make_config(tmp_path, precision=precision).bf16 is bf16
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"precision": "auto", "bf16": True}, {"precision": "fp32", "bf16": True}, {"precision": "half"}],
+)
+def test_conflicting_or_unknown_precision_names_the_setting(tmp_path, kwargs):
+    with pytest.raises(ValueError, match="precision"):
+        GRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=8, num_generations=4, **kwargs
+        )
+
+
+def make_trainer(tmp_path, **overrides) -> GRPOTrainer:
+    return GRPOTrainer(
+        model=tiny_llama(),
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, **overrides),
+        train_dataset=chat_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+
+
+def test_the_choice_is_logged_once_at_start(tmp_path, native, caplog):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.trainer"):
+        make_trainer(tmp_path, precision="auto")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("precision:")]
+    assert len(lines) == 1
+    assert lines[0].startswith("precision: bf16" if native else "precision: fp32")
+    assert native or "has no native bf16" in lines[0]
+
+
+def test_explicit_bf16_warns_only_where_it_is_emulated(tmp_path, native, caplog):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.trainer"):
+        make_trainer(tmp_path, bf16=True)
+    warned = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(warned) == (0 if native else 1)
+    assert native or "precision='auto'" in warned[0]
