@@ -91,9 +91,9 @@ class GRPOConfig(TrainingArguments):
     max_dynamic_sampling_rounds: int = field(
         default=4,
         metadata={
-            "help": "Cap on extra generation rounds per generation batch with dynamic_sampling. When it is reached, the "
-            "batch is filled with the earliest dropped groups (advantage 0: they add KL and entropy terms and "
-            "loss tokens, no policy gradient)."
+            "help": "Cap on extra generation rounds per generation batch with dynamic_sampling. When it is "
+            "reached, the batch is filled with the earliest dropped groups (advantage 0: they add KL and "
+            "entropy terms and loss tokens, no policy gradient)."
         },
     )
 

@@ -275,7 +275,7 @@ class GRPOTrainer(Trainer):
         return ScoredRound(result, prompts, completions, rewards_per_func, errors, seconds)
 
     def _dynamically_sampled(self, first: ScoredRound) -> ScoredRound:
-        """DAPO dynamic sampling: this process's share of a batch of groups that teach (`dynamic_sampling`)."""
+        """DAPO dynamic sampling: this process's share of a batch of groups that teach."""
         args = self.args
         weights = self.reward_weights.to(first.rewards_per_func.device)
         scored, metrics = sample_teaching_groups(
@@ -297,9 +297,10 @@ class GRPOTrainer(Trainer):
         count = args.generation_batch_size // args.num_generations
         indices = extra_prompt_indices(len(self.train_dataset), args.seed, self._extra_prompts, count)
         self._extra_prompts += count
-        rows = [self.train_dataset[i] for i in indices for _ in range(args.num_generations)]
         start = self.accelerator.process_index * share
-        return rows[start : start + share]
+        mine = [i for i in indices for _ in range(args.num_generations)][start : start + share]
+        fetched = {i: self.train_dataset[i] for i in dict.fromkeys(mine)}  # each prompt read once
+        return [fetched[i] for i in mine]
 
     def _complete_micro_batch(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> dict:
         """Trim padding and add old / reference log-probs (no grad, once per round)."""
