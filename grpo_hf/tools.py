@@ -4,10 +4,10 @@ What is here, and what is not yet: the three pure steps a multi-turn rollout nee
 generation passes, each tested on its own. They are not wired into `GRPOTrainer` yet (there is no
 `tools=` argument): the generation loop that feeds tool results back to the model is the next step.
 
-- `parse_tool_calls`: tool calls in the Hermes format that Qwen2.5, SmolLM3, Hermes and TRL's
-  default templates emit, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, each
-  parsed on its own; a malformed call becomes a `ToolCall` carrying the error, not an exception,
-  since a policy in training writes malformed calls and should be told so, as TRL does.
+- `parse_tool_calls`: tool calls in the Hermes format (Qwen2.5's and Hermes' chat templates),
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, each parsed on its own; a malformed
+  call becomes a `ToolCall` carrying the error, not an exception, since a policy in training
+  writes malformed calls and is better told so in the tool message than stopped.
 - `run_tool_calls`: each call against the given Python functions (plain or `async def`) ->
   `{"role": "tool", "name": ..., "content": ...}` messages; an unknown tool, bad arguments or a
   raising tool give an "Error: ..." message, so one bad call never stops training.
