@@ -83,6 +83,24 @@ class GRPOConfig(TrainingArguments):
         },
     )
 
+    # ---- Dynamic sampling (DAPO, arXiv 2503.14476) -----------------------------------------------
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop groups whose rewards are all equal (they teach nothing) and generate more prompts "
+            "(a full generation batch per extra round, from a second shuffled pass over the dataset) until "
+            "the generation batch holds only groups that teach."
+        },
+    )
+    max_dynamic_sampling_rounds: int = field(
+        default=4,
+        metadata={
+            "help": "Cap on extra generation rounds per generation batch with dynamic_sampling. When it is "
+            "reached, the batch is filled with the earliest dropped groups (advantage 0: they add KL and "
+            "entropy terms and loss tokens, no policy gradient)."
+        },
+    )
+
     # ---- Policy loss ---------------------------------------------------------------------------
     num_iterations: int = field(
         default=1, metadata={"help": "Passes over each generation round (mu in DeepSeekMath)."}
@@ -234,6 +252,11 @@ class GRPOConfig(TrainingArguments):
             (self.ref_model_sync_steps >= 1, "ref_model_sync_steps must be >= 1"),
             (not (self.sync_ref_model and self.beta == 0), "sync_ref_model needs beta > 0 (a reference)"),
             (self.max_nonfinite_steps >= 1, "max_nonfinite_steps must be >= 1"),
+            (
+                self.max_dynamic_sampling_rounds >= 1,
+                "max_dynamic_sampling_rounds must be >= 1 (it caps the extra generation rounds of "
+                "dynamic_sampling; set dynamic_sampling=False to generate no extra rounds)",
+            ),
             (self.reward_weights is None or len(self.reward_weights) > 0, "reward_weights must not be empty"),
         ]
         for ok, message in checks:

@@ -3,6 +3,7 @@
 - `check_prompt_dataset`: a dataset the trainer cannot use fails before any model work, naming
   the column to fix.
 - `GroupSampler`: each prompt repeated G times, in the same order on every process.
+- `extra_prompt_indices`: the prompts of dynamic sampling's extra rounds, a second shuffled stream.
 - `split_batch` / `trim_padding`: a generation batch cut into micro-batches with no all-padding
   columns.
 """
@@ -75,6 +76,30 @@ class GroupSampler(Sampler[int]):
             * self.num_generations
             * self.repeats
         )
+
+
+EXTRA_STREAM_SEED = 2**31  # the extra stream's pass k shuffles with seed + 2**31 + k: no epoch's seed
+
+
+def extra_prompt_indices(num_prompts: int, seed: int, start: int, count: int) -> list[int]:
+    """Positions `start .. start + count - 1` of an endless stream of shuffled prompt indices.
+
+    Dynamic sampling's extra rounds draw their prompts here, not from the `GroupSampler`, so the
+    Trainer's epochs and steps stay as they are. The stream is a sequence of passes over the
+    dataset, pass k shuffled with its own seed; a position depends only on (seed, position), so
+    a run resumed from a checkpoint continues it from the saved count. A prompt may come up both
+    here and in the same epoch's regular rounds.
+    """
+    out: list[int] = []
+    position = start
+    while len(out) < count:
+        pass_index, offset = divmod(position, num_prompts)
+        generator = torch.Generator().manual_seed(seed + EXTRA_STREAM_SEED + pass_index)
+        order = torch.randperm(num_prompts, generator=generator).tolist()
+        taken = order[offset : offset + count - len(out)]
+        out.extend(taken)
+        position += len(taken)
+    return out
 
 
 def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:

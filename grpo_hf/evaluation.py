@@ -8,7 +8,8 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from grpo_hf import rollout
-from grpo_hf.scoring import RewardFunc
+from grpo_hf.async_rewards import blocking, is_async_reward
+from grpo_hf.scoring import RewardFunc, reward_name
 
 
 @dataclass
@@ -41,6 +42,8 @@ def greedy_accuracy(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=rollout.eos_token_ids(model, tokenizer),
     )
+    if is_async_reward(reward_func):
+        reward_func = blocking(reward_func, reward_name(reward_func))
     scores, samples = [], []
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]

@@ -6,6 +6,8 @@ None meaning "does not apply" (stored as NaN). Its output is checked here, so a 
 non-number, NaN or inf stops the run with the function's name instead of poisoning the advantages.
 A function that raises is retried one completion at a time to find the offending completion; with
 `reward_error_policy="zero"` those completions score 0 and are counted instead.
+`async def` reward functions run concurrently with each other and with the plain ones
+(`async_rewards`); their output is checked and their errors handled the same way.
 """
 
 import math
@@ -20,6 +22,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from grpo_hf.async_rewards import AsyncRewardCalls, blocking, is_async_reward
 
 RewardFunc = Callable[..., list[float | None]]
 
@@ -86,15 +90,17 @@ def score_completions(
     """(N, F) float32 rewards (NaN = does not apply) and the number of completions scored 0 on error."""
     columns_out = []
     errors = 0
-    for func in funcs:
-        if isinstance(func, RewardModel):
-            values = score_with_model(func, prompts, completions)
-        else:
-            values, failed = _call_reward_function(
-                func, prompts, completions, completion_ids, columns, error_policy
-            )
-            errors += failed
-        columns_out.append(values)
+    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    with AsyncRewardCalls(funcs, kwargs) as async_calls:  # started now, awaited below
+        for func in funcs:
+            if isinstance(func, RewardModel):
+                values = score_with_model(func, prompts, completions)
+            else:
+                values, failed = _call_reward_function(
+                    func, prompts, completions, completion_ids, columns, error_policy, async_calls
+                )
+                errors += failed
+            columns_out.append(values)
     rewards = torch.tensor(columns_out, dtype=torch.float32, device=device).T  # (N, F)
     return rewards, errors
 
@@ -106,14 +112,20 @@ def _call_reward_function(
     completion_ids: list[list[int]],
     columns: dict[str, list],
     error_policy: str,
+    async_calls: AsyncRewardCalls,
 ) -> tuple[list[float], int]:
+    is_async = is_async_reward(func)
     try:
-        values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        if is_async:
+            values = async_calls.outcome(func)
+        else:
+            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         return check_reward_values(reward_name(func), values, len(completions)), 0
     except RewardOutputError:
         raise
     except Exception:
-        return _call_one_by_one(func, prompts, completions, completion_ids, columns, error_policy)
+        one_by_one = blocking(func, reward_name(func)) if is_async else func
+        return _call_one_by_one(one_by_one, prompts, completions, completion_ids, columns, error_policy)
 
 
 def _call_one_by_one(

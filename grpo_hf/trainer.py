@@ -7,6 +7,8 @@ How one generation round flows through the Trainer's loop:
 - `_prepare_inputs` generates and scores on the first of those micro-steps, gathers rewards from
   every process to compute group advantages, computes old / reference log-probs once, and splits
   the result into `steps_per_generation` micro-batches that the following micro-steps consume.
+- With `dynamic_sampling` (DAPO), groups whose rewards are all equal are replaced by groups from
+  extra generation rounds before the advantages are computed (`dynamic_sampling`).
 - `compute_loss` is per-token log-probs of the completion tokens plus the pure `grpo_loss`.
 The maths lives in `advantages`, `loss` and `logprobs`; this file only orchestrates.
 """
@@ -43,7 +45,8 @@ from grpo_hf.checkpoints import (
     write_state,
 )
 from grpo_hf.config import GRPOConfig
-from grpo_hf.data import GroupSampler, check_prompt_dataset, split_batch, trim_padding
+from grpo_hf.data import GroupSampler, check_prompt_dataset, extra_prompt_indices, split_batch, trim_padding
+from grpo_hf.dynamic_sampling import ScoredRound, gather_round, sample_teaching_groups
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.logprobs import completion_logps
@@ -134,6 +137,7 @@ class GRPOTrainer(Trainer):
         self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
         self._micro_step = 0
         self._buffer: list[dict] = []
+        self._extra_prompts = 0  # position in dynamic sampling's extra prompt stream (checkpointed)
         self._round_kl: list[float] = []
         self._metrics: dict[str, dict[str, list[float]]] = {
             "train": defaultdict(list),
@@ -242,6 +246,34 @@ class GRPOTrainer(Trainer):
 
     def _generate_and_score(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
         """Generate, score and prepare one generation batch; return its micro-batches."""
+        args = self.args
+        scored = self._sample_and_score(rows)
+        if args.dynamic_sampling and self.model.training:
+            scored = self._dynamically_sampled(scored)
+        result, prompts, completions = scored.result, scored.prompts, scored.completions
+        rewards_per_func, errors, seconds = scored.rewards_per_func, scored.errors, scored.seconds
+        advantages, rewards = self._advantages(rewards_per_func)
+        loss_mask = (
+            result.completion_mask * (~result.truncated).unsqueeze(1)
+            if args.mask_truncated_completions
+            else result.completion_mask
+        )
+        self._record_round(result, rewards_per_func, rewards, advantages, errors, seconds)
+        self._record_completion_rows(prompts, completions, rewards)
+        normalizer = self.accelerator.gather(loss_mask.sum().float()).sum() / (
+            self.accelerator.num_processes * args.steps_per_generation
+        )
+        batch = {
+            "input_ids": result.input_ids,
+            "attention_mask": result.attention_mask,
+            "completion_mask": loss_mask,
+            "advantages": advantages,
+        }
+        parts = args.steps_per_generation if self.model.training else 1
+        return [self._complete_micro_batch(part, normalizer) for part in split_batch(batch, parts)]
+
+    def _sample_and_score(self, rows: list[dict]) -> ScoredRound:
+        """Generate one completion per row (rows repeat each prompt G times) and score them."""
         args, device = self.args, self.accelerator.device
         prompts = [row["prompt"] for row in rows]
         prompt_ids, prompt_mask = rollout.tokenize_prompts(
@@ -264,25 +296,35 @@ class GRPOTrainer(Trainer):
         rewards_per_func, errors = score_completions(
             self.reward_funcs, prompts, completions, completion_ids, columns, args.reward_error_policy, device
         )
-        advantages, rewards = self._advantages(rewards_per_func)
-        loss_mask = (
-            result.completion_mask * (~result.truncated).unsqueeze(1)
-            if args.mask_truncated_completions
-            else result.completion_mask
+        return ScoredRound(result, prompts, completions, rewards_per_func, errors, seconds)
+
+    def _dynamically_sampled(self, first: ScoredRound) -> ScoredRound:
+        """DAPO dynamic sampling: this process's share of a batch of groups that teach."""
+        args = self.args
+        weights = self.reward_weights.to(first.rewards_per_func.device)
+        scored, metrics = sample_teaching_groups(
+            first,
+            sample_more=lambda: self._sample_and_score(self._extra_prompt_rows(len(first.prompts))),
+            gather=lambda scored: gather_round(self.accelerator, scored, self.processing_class.pad_token_id),
+            combine=lambda rewards_per_func: combine_rewards(rewards_per_func, weights),
+            num_generations=args.num_generations,
+            max_extra_rounds=args.max_dynamic_sampling_rounds,
+            pad_token_id=self.processing_class.pad_token_id,
+            process_index=self.accelerator.process_index,
         )
-        self._record_round(result, rewards_per_func, rewards, advantages, errors, seconds)
-        self._record_completion_rows(prompts, completions, rewards)
-        normalizer = self.accelerator.gather(loss_mask.sum().float()).sum() / (
-            self.accelerator.num_processes * args.steps_per_generation
-        )
-        batch = {
-            "input_ids": result.input_ids,
-            "attention_mask": result.attention_mask,
-            "completion_mask": loss_mask,
-            "advantages": advantages,
-        }
-        parts = args.steps_per_generation if self.model.training else 1
-        return [self._complete_micro_batch(part, normalizer) for part in split_batch(batch, parts)]
+        self.record(metrics)
+        return scored
+
+    def _extra_prompt_rows(self, share: int) -> list[dict]:
+        """This process's rows of one extra round: the extra stream's next prompts, G rows each."""
+        args = self.args
+        count = args.generation_batch_size // args.num_generations
+        indices = extra_prompt_indices(len(self.train_dataset), args.seed, self._extra_prompts, count)
+        self._extra_prompts += count
+        start = self.accelerator.process_index * share
+        mine = [i for i in indices for _ in range(args.num_generations)][start : start + share]
+        fetched = {i: self.train_dataset[i] for i in dict.fromkeys(mine)}  # each prompt read once
+        return [fetched[i] for i in mine]
 
     def _complete_micro_batch(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> dict:
         """Trim padding and add old / reference log-probs (no grad, once per round)."""
@@ -488,7 +530,9 @@ class GRPOTrainer(Trainer):
             write_round(folder, self.accelerator.process_index, self._buffer)
         self.accelerator.wait_for_everyone()  # every process's files are in before the marker
         if self.args.should_save:
-            write_state(folder, {"beta": self.beta, "round_kl": self._round_kl})
+            write_state(
+                folder, {"beta": self.beta, "round_kl": self._round_kl, "extra_prompts": self._extra_prompts}
+            )
             rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
@@ -505,6 +549,7 @@ class GRPOTrainer(Trainer):
         if resume_from_checkpoint:
             state = read_state(resume_from_checkpoint)
             self.beta, self._round_kl = state["beta"], state["round_kl"]
+            self._extra_prompts = state.get("extra_prompts", 0)  # absent in checkpoints older than it
             with open(os.path.join(resume_from_checkpoint, "trainer_state.json")) as f:
                 step = json.load(f)["global_step"]
             self._micro_step = step * self.args.gradient_accumulation_steps

@@ -54,6 +54,8 @@ class Scenario:
     learning_rate: float = 0.5
     save_steps: int | None = None  # save a checkpoint every save_steps optimizer steps
     completions: str = "fixed"  # "fixed", "sampled" (the real decode loop) or "uneven_stop"
+    reward: str = "length"  # a key of REWARDS
+    dynamic_sampling: bool = False
 
 
 SCENARIOS = {
@@ -75,7 +77,19 @@ SCENARIOS = {
     "sampled": Scenario(num_generations=8, completions="sampled"),
     "uneven_stop": Scenario(num_generations=8, completions="uneven_stop", max_steps=1),
     "lora_uneven_stop": Scenario(num_generations=8, lora=True, completions="uneven_stop", max_steps=2),
+    # DAPO dynamic sampling: half the prompts give every completion the same reward, so groups are
+    # dropped and extra rounds generated; the kept groups move between processes.
+    "dynamic": Scenario(num_generations=4, global_batch=16, reward="half_constant", dynamic_sampling=True),
 }
+
+
+def half_constant_reward(completions, answer, **kwargs) -> list[float]:
+    """length_reward on odd prompts (answer 2, 6, ...); the same reward for every completion on even ones."""
+    lengths = length_reward(completions)
+    return [value if int(a) % 4 == 2 else 1.0 for value, a in zip(lengths, answer, strict=True)]
+
+
+REWARDS = {"length": length_reward, "half_constant": half_constant_reward}
 
 
 class RecordingTrainer(FixedCompletionsTrainer):
@@ -159,6 +173,8 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
         save_strategy="steps" if scenario.save_steps else "no",
         save_steps=scenario.save_steps or 500,
         ddp_find_unused_parameters=False,
+        dynamic_sampling=scenario.dynamic_sampling,
+        max_dynamic_sampling_rounds=3,
     )
     force_fsdp_on_cpu()
     peft_config = (
@@ -166,7 +182,7 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
     )
     trainer = TRAINERS[scenario.completions](
         model=tiny_llama(),
-        reward_funcs=length_reward,
+        reward_funcs=REWARDS[scenario.reward],
         args=args,
         train_dataset=chat_dataset(8),
         processing_class=tiny_tokenizer(),

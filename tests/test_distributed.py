@@ -46,6 +46,7 @@ COMPARED = [
     "lora_g4_grpo",
     "sync_ref",
     "save",
+    "dynamic",
 ]
 SAMPLED = [
     "sampled",
@@ -57,7 +58,8 @@ GLOBAL_METRICS = [
     "loss", "grad_norm", "learning_rate", "epoch", "reward", "reward/length_reward", "reward_std",
     "frac_reward_zero_std", "advantage/abs_mean", "advantage/min", "advantage/max",
     "completions/mean_length", "completions/min_length", "completions/max_length",
-    "completions/clipped_ratio", "reward_errors", "beta",
+    "completions/clipped_ratio", "reward_errors", "beta", "dynamic_sampling/extra_rounds",
+    "dynamic_sampling/groups_dropped", "dynamic_sampling/groups_filled",
 ]  # fmt: skip
 # Token means of each micro-batch, averaged over micro-batches and processes: global only when
 # every process holds the same number of active tokens (one whole group each, G = 4 here).
@@ -182,6 +184,21 @@ def test_logged_metrics_are_global_means(request, backend):
     assert first["completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths))
     assert first["completions/mean_length"] != pytest.approx(sum(lengths[:half]) / half)
     assert first["completions/max_length"] == max(lengths)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_dynamic_sampling_keeps_the_same_groups_on_two_processes(request, single, backend):
+    """Both processes keep the groups one process keeps (test_two_processes_match_one compares the
+    rest); here: extra rounds did happen, and no zero-spread group reached the first batch."""
+    one = load_run(single / "dynamic")
+    two = load_run(request.getfixturevalue(backend) / "dynamic")
+    extra = [
+        log["dynamic_sampling/extra_rounds"] for log in one["log"] if "dynamic_sampling/extra_rounds" in log
+    ]
+    assert extra == [log.get("dynamic_sampling/extra_rounds") for log in two["log"][: len(extra)]]
+    assert sum(extra) > 0 and sum(log["dynamic_sampling/groups_dropped"] for log in one["log"][:-1]) > 0
+    groups = two["first_round"]["advantages"].view(-1, 4)  # (groups, G)
+    assert (groups != 0).any(dim=1).all()
 
 
 def test_fsdp2_really_shards(fsdp2, ddp):

@@ -31,6 +31,15 @@ def test_greedy_accuracy_averages_the_reward_over_every_batch_and_none_counts_0(
     assert all(isinstance(completion, str) for _, completion, _ in result.samples)
 
 
+def test_greedy_accuracy_takes_an_async_reward():
+    async def async_column_reward(completions, score, **kwargs):
+        return list(score)
+
+    dataset = Dataset.from_dict({"prompt": ["abc", "hello"], "score": [1.0, 0.5]})
+    result = greedy_accuracy(tiny_llama(), tiny_tokenizer(), dataset, async_column_reward, max_new_tokens=2)
+    assert result.accuracy == pytest.approx(0.75)
+
+
 def test_greedy_decoding_is_deterministic():
     dataset = Dataset.from_dict({"prompt": ["abc", "hello"], "score": [1.0, 1.0]})
     first = greedy_accuracy(tiny_llama(), tiny_tokenizer(), dataset, column_reward, max_new_tokens=5)

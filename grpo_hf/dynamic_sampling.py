@@ -1,0 +1,161 @@
+"""Dynamic sampling (DAPO, arXiv 2503.14476): a generation batch of groups that teach.
+
+A group whose rewards are all equal has advantage 0 for every completion: it adds no policy
+gradient, only KL / entropy terms and tokens to the loss's denominator, so as accuracy rises the
+effective batch shrinks. With `dynamic_sampling=True` such groups are dropped and more prompts are
+generated, G completions each, a whole generation batch per extra round, until the batch holds
+`generation_batch_size / G` groups with a non-zero reward spread.
+
+What is implemented, and where it departs from the paper:
+- The decision uses the weighted reward sum gathered from every process, so every process keeps
+  the same groups; the kept groups are then laid out in generation order (earliest round first)
+  and each process takes its own contiguous share, as a regular round would give it.
+- Extra prompts come from `data.extra_prompt_indices`, a second shuffled stream over the dataset
+  whose position is saved in checkpoints (the paper's code draws further batches from the same
+  dataloader; here the Trainer's epochs and step counts stay those of the regular rounds).
+- `max_dynamic_sampling_rounds` caps the extra rounds (the paper's code can also stop with an
+  error). When the cap is reached without enough teaching groups, the batch is filled with the
+  earliest dropped groups: zero advantage, so they add KL / entropy terms and loss tokens but no
+  policy gradient, exactly as they would without dynamic sampling. Teaching groups beyond the
+  batch's need (from the last extra round) are discarded, as in the paper.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from grpo_hf.advantages import group_std_is_zero
+from grpo_hf.rollout import Rollout
+
+
+@dataclass
+class ScoredRound:
+    """Completions of one generation pass with their rewards (one process's rows, or gathered)."""
+
+    result: Rollout
+    prompts: list
+    completions: list
+    rewards_per_func: torch.Tensor  # (N, F) NaN = does not apply
+    errors: int  # completions scored 0 after a reward function raised (this process's)
+    seconds: float  # generation time (this process's)
+
+
+def select_groups(teaching: list[bool], needed: int) -> tuple[list[int], int]:
+    """Indices of the `needed` groups to keep, in generation order, and how many are fillers.
+
+    The first `needed` teaching groups are kept; when there are fewer, the earliest groups that do
+    not teach fill the rest.
+    """
+    keep = [i for i, t in enumerate(teaching) if t][:needed]
+    fill = [i for i, t in enumerate(teaching) if not t][: needed - len(keep)]
+    return sorted(keep + fill), len(fill)
+
+
+def stack_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Rows of several rollouts in one, prompts re-padded on the left and completions on the right."""
+    prompt_width = max(r.prompt_ids.shape[1] for r in rollouts)
+    completion_width = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def cat(name: str, width: int, value: int, left: bool) -> torch.Tensor:
+        parts = []
+        for r in rollouts:
+            tensor = getattr(r, name)  # (B, W)
+            pad = (width - tensor.shape[1], 0) if left else (0, width - tensor.shape[1])
+            parts.append(torch.nn.functional.pad(tensor, pad, value=value))
+        return torch.cat(parts)
+
+    return Rollout(
+        prompt_ids=cat("prompt_ids", prompt_width, pad_token_id, left=True),  # (sum B, P)
+        prompt_mask=cat("prompt_mask", prompt_width, 0, left=True),  # (sum B, P)
+        completion_ids=cat("completion_ids", completion_width, pad_token_id, left=False),  # (sum B, C)
+        completion_mask=cat("completion_mask", completion_width, 0, left=False),  # (sum B, C)
+        truncated=torch.cat([r.truncated for r in rollouts]),  # (sum B,)
+    )
+
+
+def take_rows(scored: ScoredRound, rows: list[int]) -> ScoredRound:
+    """The given rows of a round, in the given order."""
+    index = torch.tensor(rows, dtype=torch.long, device=scored.rewards_per_func.device)
+    r = scored.result
+    fields = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.truncated)
+    result = Rollout(*(t.index_select(0, index.to(t.device)) for t in fields))
+    return replace(
+        scored,
+        result=result,
+        prompts=[scored.prompts[i] for i in rows],
+        completions=[scored.completions[i] for i in rows],
+        rewards_per_func=scored.rewards_per_func.index_select(0, index),
+    )
+
+
+def gather_round(accelerator: Accelerator, scored: ScoredRound, pad_token_id: int) -> ScoredRound:
+    """A round from every process, in global row order (errors and seconds stay this process's)."""
+
+    def gather(tensor: torch.Tensor, value: int, left: bool = False) -> torch.Tensor:
+        padded = accelerator.pad_across_processes(tensor, dim=1, pad_index=value, pad_first=left)
+        return accelerator.gather(padded)  # (P * B, W)
+
+    r = scored.result
+    result = Rollout(
+        gather(r.prompt_ids, pad_token_id, left=True),
+        gather(r.prompt_mask, 0, left=True),
+        gather(r.completion_ids, pad_token_id),
+        gather(r.completion_mask, 0),
+        accelerator.gather(r.truncated.long()).bool(),
+    )
+    prompts, completions = (gather_object(list(x)) for x in (scored.prompts, scored.completions))
+    rewards = accelerator.gather(scored.rewards_per_func)  # (P * B, F)
+    return ScoredRound(result, prompts, completions, rewards, scored.errors, scored.seconds)
+
+
+def sample_teaching_groups(
+    first: ScoredRound,
+    sample_more: Callable[[], ScoredRound],
+    gather: Callable[[ScoredRound], ScoredRound],
+    combine: Callable[[torch.Tensor], torch.Tensor],
+    num_generations: int,
+    max_extra_rounds: int,
+    pad_token_id: int,
+    process_index: int,
+) -> tuple[ScoredRound, dict[str, float]]:
+    """This process's share of a generation batch of teaching groups, and the round's metrics.
+
+    `first` is this process's part of the regular round; `sample_more()` generates and scores this
+    process's part of one more round; `gather` collects a round from every process (global row
+    order); `combine` turns (N, F) rewards into (N,) weighted sums. Every process takes the same
+    decisions, since they are made on gathered rewards, and calls `sample_more` equally often.
+    """
+    local_rounds = [first]
+    rounds = [gather(first)]
+    needed = rounds[0].rewards_per_func.shape[0] // num_generations  # groups in a generation batch
+    teaching = (~group_std_is_zero(combine(rounds[0].rewards_per_func), num_generations)).tolist()
+    while sum(teaching) < needed and len(rounds) <= max_extra_rounds:
+        local_rounds.append(sample_more())
+        rounds.append(gather(local_rounds[-1]))
+        more = ~group_std_is_zero(combine(rounds[-1].rewards_per_func), num_generations)  # (groups,)
+        teaching += more.tolist()
+    groups, filled = select_groups(teaching, needed)
+    pool = ScoredRound(
+        result=stack_rollouts([r.result for r in rounds], pad_token_id),
+        prompts=[p for r in rounds for p in r.prompts],
+        completions=[c for r in rounds for c in r.completions],
+        rewards_per_func=torch.cat([r.rewards_per_func for r in rounds]),  # (rounds * N, F)
+        errors=sum(r.errors for r in local_rounds),
+        seconds=sum(r.seconds for r in local_rounds),
+    )
+    rows = [g * num_generations + k for g in groups for k in range(num_generations)]
+    share = len(first.prompts)
+    kept = take_rows(pool, rows[process_index * share : (process_index + 1) * share])
+    metrics = {
+        "dynamic_sampling/extra_rounds": float(len(rounds) - 1),
+        "dynamic_sampling/groups_dropped": float(len(teaching) - sum(teaching) - filled),
+        "dynamic_sampling/groups_filled": float(filled),
+    }
+    # The round's tokens/s counts every generated token, not only the kept ones.
+    generated = pool.result.completion_mask.sum().item()
+    kept_tokens = pool.result.completion_mask[rows].sum().item()
+    kept.seconds = pool.seconds * kept_tokens / max(generated, 1)
+    return kept, metrics
