@@ -95,7 +95,8 @@ class GRPOConfig(TrainingArguments):
         default="dapo",
         metadata={
             "help": "Aggregation: 'grpo' (per-sequence mean), 'bnpo' (micro-batch token mean), "
-            "'dr_grpo' (sum / (B * max_completion_length)), 'dapo' (token mean over the generation batch)."
+            "'dr_grpo' (sum / (B * max_completion_length)), 'dapo' (token mean over all the tokens, on every "
+            "process, that feed one optimizer step)."
         },
     )
     importance_sampling_level: str = field(
@@ -228,6 +229,15 @@ class GRPOConfig(TrainingArguments):
             self.steps_per_generation = self.gradient_accumulation_steps
         if self.steps_per_generation < 1:
             raise ValueError("steps_per_generation must be >= 1.")
+        if (
+            self.steps_per_generation > self.gradient_accumulation_steps
+            and self.steps_per_generation % self.gradient_accumulation_steps
+        ):
+            raise ValueError(
+                f"steps_per_generation={self.steps_per_generation} must be a multiple of "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} (each optimizer step then "
+                "takes whole micro-batches of one round); change steps_per_generation or generation_batch_size."
+            )
         self.generation_batch_size = per_round * self.steps_per_generation
         if self.generation_batch_size % self.num_generations:
             raise ValueError(

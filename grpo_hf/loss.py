@@ -18,9 +18,11 @@ Aggregation over tokens (`loss_type`):
 - `grpo`: mean over each sequence's tokens, then mean over sequences (DeepSeekMath).
 - `bnpo`: mean over the micro-batch's active tokens.
 - `dr_grpo`: sum / (B * max_completion_length), a constant normaliser (Dr. GRPO, arXiv 2503.20783).
-- `dapo`: sum / active tokens of the whole generation batch (DAPO's token-level mean). The caller
-  passes that count as `dapo_normalizer`; without it the micro-batch's own count is used, which is
-  exact when one micro-batch holds the whole generation batch.
+- `dapo`: sum / active tokens of everything that feeds the same optimizer step (DAPO's token-level
+  mean: every micro-batch of that step, on every process). The caller passes that count, scaled for
+  gradient accumulation and processes, as `dapo_normalizer` (`GRPOTrainer._dapo_normalizers`);
+  without it the micro-batch's own count is used, which is exact when one micro-batch is the step.
+  With no active token at all the loss is 0 (so are its gradients), not NaN; likewise for the others.
 
 With one pass over each generation round (num_iterations = 1, one optimizer step per round),
 old_logp is the current log-prob detached: the ratio is exactly 1, the clip never binds, and the
@@ -96,8 +98,13 @@ def aggregate(
     if loss_type == "dr_grpo":
         return masked.sum() / (per_token.shape[0] * max_completion_length)
     if loss_type == "dapo":
-        normalizer = mask.sum().clamp(min=1) if dapo_normalizer is None else dapo_normalizer
-        return masked.sum() / normalizer
+        normalizer = torch.as_tensor(
+            mask.sum() if dapo_normalizer is None else dapo_normalizer,
+            dtype=masked.dtype,
+            device=masked.device,
+        )
+        # No active token at all (e.g. every completion truncated and masked): loss 0, not 0 / 0.
+        return masked.sum() / torch.where(normalizer > 0, normalizer, torch.ones_like(normalizer))
     raise ValueError(f"loss_type={loss_type!r} is not one of ('grpo', 'bnpo', 'dr_grpo', 'dapo').")
 
 

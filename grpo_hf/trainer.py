@@ -248,17 +248,36 @@ class GRPOTrainer(Trainer):
         )
         self._record_round(result, rewards_per_func, rewards, advantages, errors, seconds)
         self._record_completion_rows(prompts, completions, rewards)
-        normalizer = self.accelerator.gather(loss_mask.sum().float()).sum() / (
-            self.accelerator.num_processes * args.steps_per_generation
-        )
         batch = {
             "input_ids": result.input_ids,
             "attention_mask": result.attention_mask,
             "completion_mask": loss_mask,
             "advantages": advantages,
         }
-        parts = args.steps_per_generation if self.model.training else 1
-        return [self._complete_micro_batch(part, normalizer) for part in split_batch(batch, parts)]
+        parts = split_batch(batch, args.steps_per_generation if self.model.training else 1)
+        normalizers = self._dapo_normalizers([part["completion_mask"] for part in parts])
+        return [
+            self._complete_micro_batch(part, normalizer)
+            for part, normalizer in zip(parts, normalizers, strict=True)
+        ]
+
+    def _dapo_normalizers(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per micro-batch: the DAPO denominator that makes each optimizer step a token mean.
+
+        The Trainer divides each micro-step's loss by gradient_accumulation_steps and DDP averages
+        over processes, so a micro-batch feeding an optimizer step with n active tokens (summed over
+        that step's micro-batches and every process) divides its token sum by n / (P * GA). With
+        several optimizer steps per round (steps_per_generation = k * GA) each step has its own n;
+        with one round per several steps (GA a multiple of steps_per_generation) n is the round's,
+        and the step's gradient is the mean of its rounds' token means. In evaluation (one part per
+        process) n / P makes the mean of the processes' losses the global token mean.
+        """
+        processes = self.accelerator.num_processes
+        counts = torch.stack([mask.sum() for mask in masks]).float()  # (S,)
+        counts = self.accelerator.gather(counts).view(processes, -1).sum(dim=0)  # (S,) over processes
+        per_step = min(self.args.gradient_accumulation_steps, len(masks)) if self.model.training else 1
+        totals = counts.view(-1, per_step).sum(dim=1)  # (S / per_step,) active tokens per optimizer step
+        return [totals[i // per_step] / (processes * per_step) for i in range(len(masks))]
 
     def _complete_micro_batch(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> dict:
         """Trim padding and add old / reference log-probs (no grad, once per round)."""

@@ -37,6 +37,16 @@ def make(tmp_path, **kwargs) -> GRPOConfig:
             {"generation_batch_size": 12, "num_generations": 4},
             ["generation_batch_size", "per_device_train_batch_size"],
         ),
+        # 3 micro-steps per round cannot make whole optimizer steps of 2 micro-steps
+        (
+            {
+                "per_device_train_batch_size": 4,
+                "num_generations": 4,
+                "steps_per_generation": 3,
+                "gradient_accumulation_steps": 2,
+            },
+            ["steps_per_generation", "gradient_accumulation_steps"],
+        ),  # fmt: skip
     ],
     ids=lambda value: "-".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else None,
 )
