@@ -14,7 +14,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-REWARD_ERROR_POLICIES = ("raise", "zero")
+REWARD_ERROR_POLICIES = ("raise", "retry", "zero")
 
 
 @dataclass
@@ -74,8 +74,11 @@ class GRPOConfig(TrainingArguments):
     reward_error_policy: str = field(
         default="raise",
         metadata={
-            "help": "What a reward function raising on a completion does: 'raise' stops with the completion "
-            "shown; 'zero' scores it 0 and counts it in the 'reward_errors' metric."
+            "help": "What a reward function that raises does (it is retried one completion at a time to find "
+            "the completion): 'raise' stops the run, showing that completion, also when every completion "
+            "scores alone; 'retry' uses the one-at-a-time scores then, counting such batches in "
+            "'reward_retried_batches'; 'zero' also scores a completion that fails alone 0, counted in "
+            "'reward_errors'."
         },
     )
 

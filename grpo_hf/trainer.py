@@ -237,7 +237,7 @@ class GRPOTrainer(Trainer):
             ids[mask.bool()].tolist()
             for ids, mask in zip(result.completion_ids, result.completion_mask, strict=True)
         ]
-        rewards_per_func, errors = score_completions(
+        rewards_per_func, errors, retried = score_completions(
             self.reward_funcs, prompts, completions, completion_ids, columns, args.reward_error_policy, device
         )
         advantages, rewards = self._advantages(rewards_per_func)
@@ -246,7 +246,7 @@ class GRPOTrainer(Trainer):
             if args.mask_truncated_completions
             else result.completion_mask
         )
-        self._record_round(result, rewards_per_func, rewards, advantages, errors, seconds)
+        self._record_round(result, rewards_per_func, rewards, advantages, (errors, retried), seconds)
         self._record_completion_rows(prompts, completions, rewards)
         batch = {
             "input_ids": result.input_ids,
@@ -413,7 +413,7 @@ class GRPOTrainer(Trainer):
         for key, value in values.items():
             self._metrics[mode][key].append(value)
 
-    def _record_round(self, result, rewards_per_func, rewards, advantages, errors, seconds) -> None:
+    def _record_round(self, result, rewards_per_func, rewards, advantages, error_counts, seconds) -> None:
         gather = self.accelerator.gather
         lengths = gather(result.completion_mask.sum(dim=1).float())  # (N,)
         values = round_metrics(
@@ -428,7 +428,10 @@ class GRPOTrainer(Trainer):
         values["generation/tokens_per_second"] = (
             lengths.sum().item() / max(seconds, 1e-9) / self.accelerator.num_processes
         )
-        values["reward_errors"] = gather(torch.tensor([float(errors)], device=rewards.device)).sum().item()
+        counts = torch.tensor(error_counts, dtype=torch.float32, device=rewards.device)  # (2,)
+        values["reward_errors"], values["reward_retried_batches"] = (
+            gather(counts).view(-1, 2).sum(dim=0).tolist()
+        )
         values["beta"] = self.beta
         self.record(values)
 
