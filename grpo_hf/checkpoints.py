@@ -121,7 +121,8 @@ class NonFiniteGuard(TrainerCallback):
     """Skips an optimizer step whose gradients are not finite; stops after too many in a row.
 
     A skipped step leaves weights and optimizer state untouched, so no NaN ever reaches a checkpoint.
-    `record` receives a metric per skipped step ("nonfinite_steps_skipped").
+    `record` receives a metric per skipped step ("nonfinite_steps_skipped"), which the trainer logs
+    as the number of steps skipped in each logging interval.
     """
 
     def __init__(self, record: Callable[[dict[str, float]], None]) -> None:

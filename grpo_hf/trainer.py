@@ -60,6 +60,9 @@ from grpo_hf.sharding import (
 
 logger = logging.getLogger(__name__)
 
+# Logged as counts per logging interval (the same on every process), not as means of their records.
+COUNTED_METRICS = frozenset({"nonfinite_steps_skipped"})
+
 
 class _ReferenceSync(TrainerCallback):
     """Calls `GRPOTrainer.sync_reference` after every optimizer step."""
@@ -453,13 +456,15 @@ class GRPOTrainer(Trainer):
         self._completion_rows = gather_object(rows)[: self.args.num_completions_to_print]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the interval's GRPO metrics, averaged over steps and processes, then log as usual."""
+        """Add the interval's GRPO metrics, then log as usual: each is averaged over the interval's
+        records and the processes, except the counts in COUNTED_METRICS, summed over the interval."""
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics[mode]
         if metrics:
             keys = sorted(metrics)
             local = torch.tensor(
-                [sum(metrics[k]) / len(metrics[k]) for k in keys], device=self.accelerator.device
+                [sum(metrics[k]) / (1 if k in COUNTED_METRICS else len(metrics[k])) for k in keys],
+                device=self.accelerator.device,
             )
             averaged = self.accelerator.reduce(local, "mean").tolist()
             prefix = "eval_" if mode == "eval" else ""
