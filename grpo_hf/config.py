@@ -166,6 +166,19 @@ class GRPOConfig(TrainingArguments):
         self._check_choices()
         self._check_ranges()
         self._resolve_generation_batch()
+        if self.eval_strategy != "no" or self.do_eval:
+            self.check_eval_batch()
+
+    def check_eval_batch(self) -> None:
+        """Evaluation batches must hold whole groups too (the trainer also calls this, before
+        loading the model, when it is given an eval_dataset)."""
+        per_step = self.per_device_eval_batch_size * self.world_size
+        if per_step % self.num_generations:
+            raise ValueError(
+                f"The evaluation batch ({per_step} completions = per_device_eval_batch_size "
+                f"{self.per_device_eval_batch_size} x {self.world_size} processes) must be divisible by "
+                f"num_generations={self.num_generations}; change per_device_eval_batch_size."
+            )
 
     def _check_choices(self) -> None:
         for name, allowed in (

@@ -94,6 +94,8 @@ class GRPOTrainer(Trainer):
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if dataset is not None:
                 check_prompt_dataset(dataset, name)
+        if eval_dataset is not None:
+            args.check_eval_batch()
         self.reward_funcs = reward_functions(reward_funcs, reward_processing_classes, args.reward_weights)
         if isinstance(model, str):
             processing_class = processing_class or load_tokenizer(model)
