@@ -142,6 +142,7 @@ class GRPOTrainer(Trainer):
             "train": defaultdict(list),
             "eval": defaultdict(list),
         }
+        self._token_sums: dict[str, dict[str, list[float]]] = {"train": {}, "eval": {}}  # key: [sum, tokens]
         self._completion_rows: list[dict] = []
         self.add_callback(NonFiniteGuard(self.record))
         self.add_callback(_ReferenceSync(self))
@@ -379,7 +380,9 @@ class GRPOTrainer(Trainer):
         )
         if "kl" in metrics and model.training:
             self._round_kl.append(metrics["kl"].item())
-        self.record({k: v.item() for k, v in metrics.items()})
+        self.record_token_means(
+            {k: v.item() for k, v in metrics.items()}, inputs["completion_mask"].sum().item()
+        )
         return (loss, None) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -417,6 +420,15 @@ class GRPOTrainer(Trainer):
         mode = "train" if self.model.training else "eval"
         for key, value in values.items():
             self._metrics[mode][key].append(value)
+
+    def record_token_means(self, means: dict[str, float], tokens: float) -> None:
+        """Add per-token means over `tokens` active tokens; logged as means over every token of the
+        logging interval on every process (not as means of per-micro-batch means)."""
+        sums = self._token_sums["train" if self.model.training else "eval"]
+        for key, mean in means.items():
+            total = sums.setdefault(key, [0.0, 0.0])
+            total[0] += mean * tokens
+            total[1] += tokens
 
     def _record_round(self, result, rewards_per_func, rewards, advantages, error_counts, seconds) -> None:
         gather = self.accelerator.gather
@@ -459,8 +471,10 @@ class GRPOTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the interval's GRPO metrics, then log as usual: each is averaged over the interval's
-        records and the processes, except the counts in COUNTED_METRICS, summed over the interval."""
+        records and the processes, except the counts in COUNTED_METRICS, summed over the interval,
+        and the token means (kl, entropy, clip_ratio/*), means over every token of the interval."""
         mode = "train" if self.model.training else "eval"
+        prefix = "eval_" if mode == "eval" else ""
         metrics = self._metrics[mode]
         if metrics:
             keys = sorted(metrics)
@@ -469,9 +483,15 @@ class GRPOTrainer(Trainer):
                 device=self.accelerator.device,
             )
             averaged = self.accelerator.reduce(local, "mean").tolist()
-            prefix = "eval_" if mode == "eval" else ""
             logs.update({prefix + k: v for k, v in zip(keys, averaged, strict=True)})
             metrics.clear()
+        sums = self._token_sums[mode]
+        if sums:
+            keys = sorted(sums)
+            local = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
+            totals = self.accelerator.reduce(local, "sum").tolist()  # (K, 2): token sum, tokens
+            logs.update({prefix + k: s / n if n > 0 else 0.0 for k, (s, n) in zip(keys, totals, strict=True)})
+            sums.clear()
         super().log(logs, start_time)
         if self._completion_rows and self.is_world_process_zero():
             log_completion_table(self._completion_rows, self.args.report_to, self.state.global_step)

@@ -129,3 +129,44 @@ def test_a_round_with_every_token_masked_has_loss_0_and_moves_nothing(tmp_path, 
     assert "nonfinite_steps_skipped" not in logged
     for name, param in trainer.model.named_parameters():
         assert torch.equal(param, before[name]), name
+
+
+def peaky_llama():
+    """tiny_llama with a 30x larger output layer: token entropies far apart, not all near log(259)."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    return model
+
+
+def test_logged_entropy_is_the_token_mean_over_the_micro_batches(tmp_path):
+    """Gradient accumulation over micro-batches of 18 and 30 tokens: the logged entropy weighs each
+    token once, not each micro-batch's mean once."""
+    trainer = LengthsTrainer(
+        model=peaky_llama(),
+        reward_funcs=token_count_reward,
+        args=make_config(
+            tmp_path,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            max_steps=1,
+            max_completion_length=10,
+            beta=0.0,
+        ),  # fmt: skip
+        train_dataset=chat_dataset(2),
+        processing_class=tiny_tokenizer(),
+    )
+    trainer.lengths = [3, 4, 5, 6, 6, 7, 8, 9]
+    trainer.train()
+    model, total, tokens, means = peaky_llama(), 0.0, 0.0, []
+    for part in trainer._buffer:  # both micro-batches of the step, under the weights before it
+        mask = part["completion_mask"]
+        with torch.no_grad():
+            _, entropy = completion_logps(
+                model, part["input_ids"], part["attention_mask"], mask.shape[1], with_entropy=True
+            )
+        total, tokens = total + (entropy * mask).sum().item(), tokens + mask.sum().item()
+        means.append((entropy * mask).sum().item() / mask.sum().item())
+    assert tokens == 48
+    assert trainer.state.log_history[0]["entropy"] == pytest.approx(total / tokens, rel=1e-5)
+    assert total / tokens != pytest.approx(sum(means) / 2, rel=1e-3), means  # the two means differ
