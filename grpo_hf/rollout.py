@@ -128,14 +128,18 @@ def generation_config(
     pad_token_id: int,
     eos_token_ids: list[int],
 ) -> GenerationConfig:
-    """The sampling settings of a GRPO rollout as a `GenerationConfig`."""
+    """The sampling settings of a GRPO rollout as a `GenerationConfig`.
+
+    Every knob is explicit (top_k 0 and min_p 0.0 mean off): handed to `model.generate`, a None
+    would take transformers' default (top_k 50) or the model's own generation_config instead.
+    """
     return GenerationConfig(
         do_sample=True,
         max_new_tokens=max_completion_length,
         temperature=temperature,
-        top_k=top_k or None,
+        top_k=top_k,
         top_p=top_p,
-        min_p=min_p,
+        min_p=min_p or 0.0,
         repetition_penalty=repetition_penalty,
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_ids,
