@@ -21,6 +21,7 @@ For each scenario the main process writes to OUTPUT_DIR/SCENARIO/:
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -54,6 +55,8 @@ class Scenario:
     learning_rate: float = 0.5
     save_steps: int | None = None  # save a checkpoint every save_steps optimizer steps
     completions: str = "fixed"  # "fixed", "sampled" (the real decode loop) or "uneven_stop"
+    nonfinite_steps: tuple[int, ...] = ()  # optimizer steps (1-based) whose loss is multiplied by inf
+    lr_scheduler_type: str = "linear"
 
 
 SCENARIOS = {
@@ -75,6 +78,10 @@ SCENARIOS = {
     "sampled": Scenario(num_generations=8, completions="sampled"),
     "uneven_stop": Scenario(num_generations=8, completions="uneven_stop", max_steps=1),
     "lora_uneven_stop": Scenario(num_generations=8, lora=True, completions="uneven_stop", max_steps=2),
+    # Step 2 of 3 has non-finite gradients: skipped and counted by every backend (under DeepSpeed the
+    # step runs inside backward). A constant learning rate, because DeepSpeed does not advance the
+    # scheduler on a skipped step and the plain Trainer does.
+    "nonfinite": Scenario(num_generations=8, nonfinite_steps=(2,), lr_scheduler_type="constant"),
 }
 
 
@@ -82,6 +89,11 @@ class RecordingTrainer(FixedCompletionsTrainer):
     """Keeps the first training round's advantages, completions and DAPO normaliser, in global order."""
 
     first_round: dict | None = None
+    nonfinite_steps: tuple[int, ...] = ()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs)
+        return loss * math.inf if self.state.global_step + 1 in self.nonfinite_steps else loss
 
     def _generate_and_score(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
         parts = super()._generate_and_score(rows)
@@ -159,6 +171,7 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
         save_strategy="steps" if scenario.save_steps else "no",
         save_steps=scenario.save_steps or 500,
         ddp_find_unused_parameters=False,
+        lr_scheduler_type=scenario.lr_scheduler_type,
     )
     force_fsdp_on_cpu()
     peft_config = (
@@ -172,6 +185,7 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
         processing_class=tiny_tokenizer(),
         peft_config=peft_config,
     )
+    trainer.nonfinite_steps = scenario.nonfinite_steps
     initial = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     # get_state_dict gathers whole tensors under FSDP and ZeRO-3: a collective, every process calls it.
