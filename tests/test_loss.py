@@ -193,6 +193,19 @@ def test_aggregate_of_an_empty_mask_is_zero_not_nan():
         assert aggregate(torch.ones(2, 3), torch.zeros(2, 3), loss_type, 3).item() == 0.0
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_a_batch_with_no_active_token_anywhere_has_loss_0_and_zero_gradients(loss_type):
+    """The trainer's DAPO count is 0 too when every completion of the step is masked."""
+    logps = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
+    loss, _ = grpo_loss(
+        logps, None, logps.detach() - 0.1, torch.tensor([1.0, -1.0]), torch.zeros(2, 2), loss_type=loss_type,
+        beta=0.1, dapo_normalizer=torch.tensor(0.0),
+    )  # fmt: skip
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(logps.grad, torch.zeros(2, 2))
+
+
 def test_unknown_loss_type_raises():
     with pytest.raises(ValueError, match="loss_type='ppo'"):
         grpo_loss(LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, loss_type="ppo")
