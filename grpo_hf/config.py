@@ -106,6 +106,15 @@ class GRPOConfig(TrainingArguments):
         default="token",
         metadata={"help": "'token' ratios (GRPO) or one ratio per sequence (GSPO, arXiv 2507.18071)."},
     )
+    sampler_is_cap: float | None = field(
+        default=None,
+        metadata={
+            "help": "Truncated importance sampling (token level): weight each token's policy term by "
+            "min(pi_old / pi_sampler, cap), correcting for the sampler (bf16 copy, top_p ...) drawing from "
+            "another distribution than the policy's; e.g. 2.0. Off by default. The ratio is logged as "
+            "'sampler/ratio_mean' and 'sampler/ratio_max' either way."
+        },
+    )
     entropy_coef: float = field(
         default=0.0,
         metadata={"help": "Entropy bonus coefficient (arXiv 2504.20571): loss -= coef * entropy."},
@@ -216,6 +225,7 @@ class GRPOConfig(TrainingArguments):
             (self.delta is None or self.delta > 1 + self.epsilon_high, "delta must be > 1 + epsilon_high"),
             (self.beta >= 0, "beta must be >= 0 (0 disables the KL term)"),
             (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
+            (self.sampler_is_cap is None or self.sampler_is_cap > 0, "sampler_is_cap must be > 0"),
             (self.target_kl is None or self.target_kl > 0, "target_kl must be > 0"),
             (self.target_kl is None or self.beta > 0, "target_kl needs beta > 0 as the controller's start"),
             (self.kl_horizon >= 1, "kl_horizon must be >= 1"),

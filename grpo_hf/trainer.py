@@ -46,7 +46,7 @@ from grpo_hf.config import GRPOConfig
 from grpo_hf.data import GroupSampler, check_prompt_dataset, split_batch, trim_padding
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.logprobs import completion_logps
-from grpo_hf.loss import adaptive_beta, grpo_loss
+from grpo_hf.loss import adaptive_beta, grpo_loss, sampler_is_weights
 from grpo_hf.metrics import log_completion_table, round_metrics
 from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
 from grpo_hf.reference import build_reference, mix_into_reference, reference_context
@@ -62,6 +62,8 @@ logger = logging.getLogger(__name__)
 
 # Logged as counts per logging interval (the same on every process), not as means of their records.
 COUNTED_METRICS = frozenset({"nonfinite_steps_skipped"})
+# Logged as the largest record of the interval over every process.
+MAXED_METRICS = frozenset({"sampler/ratio_max"})
 
 
 class _ReferenceSync(TrainerCallback):
@@ -260,6 +262,8 @@ class GRPOTrainer(Trainer):
             "completion_mask": loss_mask,
             "advantages": advantages,
         }
+        if result.sampler_logps is not None:
+            batch["sampler_logps"] = result.sampler_logps
         parts = split_batch(batch, args.steps_per_generation if self.model.training else 1)
         normalizers = self._dapo_normalizers([part["completion_mask"] for part in parts])
         return [
@@ -377,6 +381,7 @@ class GRPOTrainer(Trainer):
             entropy=entropy,
             entropy_coef=args.entropy_coef,
             dapo_normalizer=inputs["dapo_normalizer"],
+            sampler_weights=self._sampler_weights(logps, inputs),
         )
         if "kl" in metrics and model.training:
             self._round_kl.append(metrics["kl"].item())
@@ -384,6 +389,21 @@ class GRPOTrainer(Trainer):
             {k: v.item() for k, v in metrics.items()}, inputs["completion_mask"].sum().item()
         )
         return (loss, None) if return_outputs else loss
+
+    def _sampler_weights(self, logps: torch.Tensor, inputs: dict) -> torch.Tensor | None:
+        """Record how far the sampler's token probabilities are from the policy's (ratio
+        pi_old / pi_sampler, mean and max over tokens); the truncated IS weights if configured."""
+        if "sampler_logps" not in inputs:  # completions not drawn by our decode loop
+            return None
+        old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C)
+        mask = inputs["completion_mask"].to(old.dtype)  # (B, C)
+        ratio = torch.exp(old - inputs["sampler_logps"]) * mask  # (B, C)
+        tokens = mask.sum().item()
+        self.record_token_means({"sampler/ratio_mean": ratio.sum().item() / max(tokens, 1)}, tokens)
+        self.record({"sampler/ratio_max": ratio.max().item()})
+        if self.args.sampler_is_cap is None:
+            return None
+        return sampler_is_weights(old, inputs["sampler_logps"], self.args.sampler_is_cap)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -472,11 +492,17 @@ class GRPOTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the interval's GRPO metrics, then log as usual: each is averaged over the interval's
         records and the processes, except the counts in COUNTED_METRICS, summed over the interval,
-        and the token means (kl, entropy, clip_ratio/*), means over every token of the interval."""
+        the maxima in MAXED_METRICS, and the token means (kl, entropy, clip_ratio/*,
+        sampler/ratio_mean), means over every token of the interval."""
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
         metrics = self._metrics[mode]
         if metrics:
+            maxed = sorted(metrics.keys() & MAXED_METRICS)
+            if maxed:
+                local = torch.tensor([max(metrics.pop(k)) for k in maxed], device=self.accelerator.device)
+                largest = self.accelerator.gather(local).view(-1, len(maxed)).max(dim=0).values.tolist()
+                logs.update({prefix + k: v for k, v in zip(maxed, largest, strict=True)})
             keys = sorted(metrics)
             local = torch.tensor(
                 [sum(metrics[k]) / (1 if k in COUNTED_METRICS else len(metrics[k])) for k in keys],

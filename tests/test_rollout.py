@@ -146,3 +146,24 @@ def test_sampling_knobs_transform_logits_as_model_generate_does(knobs):
         cut += int(torch.isinf(expected).any())
     if {"top_p", "min_p"} & knobs.keys():
         assert cut > 0  # the knob removed tokens: the support check was not vacuous
+
+
+def test_sampler_logps_are_the_drawn_tokens_log_probs():
+    """Temperature only (no truncation): the sampler's log-probs equal the policy's own log-probs
+    of the same tokens at that temperature, recomputed with a full forward; 0 after the EOS."""
+    from grpo_hf.engine.logprobs import completion_logps
+
+    tokenizer, model = tiny_tokenizer(), tiny_llama().eval()
+    ids, mask = prompts(tokenizer, repeats=2)
+    config = rollout.generation_config(
+        max_completion_length=8, temperature=0.7, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,
+        pad_token_id=0, eos_token_ids=[2],
+    )  # fmt: skip
+    torch.manual_seed(5)
+    result = rollout.generate(model, ids, mask, config)
+    expected, _ = completion_logps(
+        model, result.input_ids, result.attention_mask, result.completion_ids.shape[1], temperature=0.7
+    )
+    active = result.completion_mask.bool()
+    torch.testing.assert_close(result.sampler_logps[active], expected[active], rtol=1e-4, atol=1e-4)
+    assert (result.sampler_logps[~active] == 0).all()

@@ -7,7 +7,9 @@ import pytest
 import torch
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, make_config
+from transformers import TrainerCallback
 
+from grpo_hf import GRPOTrainer
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.loss import grpo_loss
 from grpo_hf.rollout import Rollout, completion_mask_after_eos
@@ -291,3 +293,42 @@ def test_reference_sync_mixes_alpha_of_the_policy_into_the_reference(tmp_path):
         torch.testing.assert_close(param.detach(), 0.6 * policy[name].detach() + 0.4 * before[name], msg=name)
         moved += not torch.equal(param, before[name])
     assert moved > 0
+
+
+def id_sum_reward(completion_ids, **kwargs) -> list[float]:
+    """Varies between sampled completions of the same length."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+class GradCapture(TrainerCallback):
+    def __init__(self):
+        self.grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_sampler_mismatch_is_logged_and_the_capped_weight_scales_the_gradient(tmp_path):
+    """Real sampling from the fp32 policy itself: the sampler's and the trainer's log-probs agree,
+    so the ratio is 1 and a cap of 0.5 halves the first step's gradient (beta 0, mu 1)."""
+    runs = {}
+    for cap in (None, 0.5):
+        trainer = GRPOTrainer(
+            model=tiny_llama(),
+            reward_funcs=id_sum_reward,
+            args=make_config(
+                tmp_path / str(cap), max_steps=1, beta=0.0, max_grad_norm=0.0, sampler_is_cap=cap
+            ),
+            train_dataset=chat_dataset(2),
+            processing_class=tiny_tokenizer(),
+        )
+        capture = GradCapture()
+        trainer.add_callback(capture)
+        trainer.train()
+        logged = trainer.state.log_history[0]
+        assert logged["sampler/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert logged["sampler/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+        runs[cap] = capture.grads
+    assert runs[None]["lm_head.weight"].abs().max() > 0
+    for name, grad in runs[None].items():
+        torch.testing.assert_close(runs[0.5][name], 0.5 * grad, rtol=1e-3, atol=1e-7, msg=name)
