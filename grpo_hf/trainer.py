@@ -514,7 +514,7 @@ class GRPOTrainer(Trainer):
         sums = self._token_sums[mode]
         if sums:
             keys = sorted(sums)
-            local = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
+            local = torch.tensor([sums[k] for k in keys], device=self.accelerator.device)  # (K, 2)
             totals = self.accelerator.reduce(local, "sum").tolist()  # (K, 2): token sum, tokens
             logs.update({prefix + k: s / n if n > 0 else 0.0 for k, (s, n) in zip(keys, totals, strict=True)})
             sums.clear()
