@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import torch
+from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
 from transformers import TrainerCallback
 
 STATE_FILE = "grpo_state.json"
@@ -121,18 +122,40 @@ class NonFiniteGuard(TrainerCallback):
     """Skips an optimizer step whose gradients are not finite; stops after too many in a row.
 
     A skipped step leaves weights and optimizer state untouched, so no NaN ever reaches a checkpoint.
-    `record` receives a metric per skipped step ("nonfinite_steps_skipped").
+    `record` receives a metric per skipped step ("nonfinite_steps_skipped"), which the trainer logs
+    as the number of steps skipped in each logging interval.
+
+    Under DeepSpeed the gradients never reach `p.grad` (ZeRO keeps them in its own partitioned
+    buffers) and Accelerate runs `engine.step()` inside `accelerator.backward`, before this hook.
+    There DeepSpeed's ZeRO optimizer (stages 1-3, checked with DeepSpeed 0.19.8) skips the step itself
+    when the global gradient norm is not finite, for fp32 and bf16 as for fp16 (its `overflow` flag;
+    it needs the norm, which DeepSpeed computes unless zero_optimization.compute_grad_norm is false).
+    The guard reads that flag to count the skip and apply max_nonfinite_steps. With fp16 loss
+    scaling, DeepSpeed's scale-calibration overflows count as skipped steps too.
     """
 
     def __init__(self, record: Callable[[dict[str, float]], None]) -> None:
         self.record = record
         self.in_a_row = 0
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        params = [p for p in model.parameters() if p.grad is not None]
-        if all(torch.isfinite(p.grad).all() for p in params):
-            self.in_a_row = 0
-            return
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        if isinstance(optimizer, DeepSpeedOptimizerWrapper) and not optimizer.__has_overflow__:
+            raise ValueError(
+                "The non-finite gradient guard cannot see this DeepSpeed optimizer's gradients, and it has no "
+                "overflow flag to report a skipped step: use a ZeRO optimizer (zero_stage 1, 2 or 3)."
+            )
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if isinstance(optimizer, DeepSpeedOptimizerWrapper):  # DeepSpeed has stepped (or skipped) already
+            if not optimizer.step_was_skipped:
+                self.in_a_row = 0
+                return
+            params = []
+        else:
+            params = [p for p in model.parameters() if p.grad is not None]
+            if all(torch.isfinite(p.grad).all() for p in params):
+                self.in_a_row = 0
+                return
         self.in_a_row += 1
         self.record({"nonfinite_steps_skipped": 1.0})
         for p in params:

@@ -17,7 +17,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-REWARD_ERROR_POLICIES = ("raise", "zero")
+REWARD_ERROR_POLICIES = ("raise", "retry", "zero")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
@@ -78,8 +78,11 @@ class GRPOConfig(TrainingArguments):
     reward_error_policy: str = field(
         default="raise",
         metadata={
-            "help": "What a reward function raising on a completion does: 'raise' stops with the completion "
-            "shown; 'zero' scores it 0 and counts it in the 'reward_errors' metric."
+            "help": "What a reward function that raises does (it is retried one completion at a time to find "
+            "the completion): 'raise' stops the run, showing that completion, also when every completion "
+            "scores alone; 'retry' uses the one-at-a-time scores then, counting such batches in "
+            "'reward_retried_batches'; 'zero' also scores a completion that fails alone 0, counted in "
+            "'reward_errors'."
         },
     )
 
@@ -117,12 +120,22 @@ class GRPOConfig(TrainingArguments):
         default="dapo",
         metadata={
             "help": "Aggregation: 'grpo' (per-sequence mean), 'bnpo' (micro-batch token mean), "
-            "'dr_grpo' (sum / (B * max_completion_length)), 'dapo' (token mean over the generation batch)."
+            "'dr_grpo' (sum / (B * max_completion_length)), 'dapo' (token mean over all the tokens, on every "
+            "process, that feed one optimizer step)."
         },
     )
     importance_sampling_level: str = field(
         default="token",
         metadata={"help": "'token' ratios (GRPO) or one ratio per sequence (GSPO, arXiv 2507.18071)."},
+    )
+    sampler_is_cap: float | None = field(
+        default=None,
+        metadata={
+            "help": "Truncated importance sampling (token level): weight each token's policy term by "
+            "min(pi_old / pi_sampler, cap), correcting for the sampler (bf16 copy, top_p ...) drawing from "
+            "another distribution than the policy's; e.g. 2.0. Off by default. The ratio is logged as "
+            "'sampler/ratio_mean' and 'sampler/ratio_max' either way."
+        },
     )
     entropy_coef: float = field(
         default=0.0,
@@ -193,6 +206,19 @@ class GRPOConfig(TrainingArguments):
         self._check_choices()
         self._check_ranges()
         self._resolve_generation_batch()
+        if self.eval_strategy != "no" or self.do_eval:
+            self.check_eval_batch()
+
+    def check_eval_batch(self) -> None:
+        """Evaluation batches must hold whole groups too (the trainer also calls this, before
+        loading the model, when it is given an eval_dataset)."""
+        per_step = self.per_device_eval_batch_size * self.world_size
+        if per_step % self.num_generations:
+            raise ValueError(
+                f"The evaluation batch ({per_step} completions = per_device_eval_batch_size "
+                f"{self.per_device_eval_batch_size} x {self.world_size} processes) must be divisible by "
+                f"num_generations={self.num_generations}; change per_device_eval_batch_size."
+            )
 
     def _resolve_precision(self) -> None:
         """precision -> the --bf16 flag; 'auto' from what the device computes natively."""
@@ -245,6 +271,7 @@ class GRPOConfig(TrainingArguments):
             (self.delta is None or self.delta > 1 + self.epsilon_high, "delta must be > 1 + epsilon_high"),
             (self.beta >= 0, "beta must be >= 0 (0 disables the KL term)"),
             (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
+            (self.sampler_is_cap is None or self.sampler_is_cap > 0, "sampler_is_cap must be > 0"),
             (self.target_kl is None or self.target_kl > 0, "target_kl must be > 0"),
             (self.target_kl is None or self.beta > 0, "target_kl needs beta > 0 as the controller's start"),
             (self.kl_horizon >= 1, "kl_horizon must be >= 1"),
@@ -279,6 +306,15 @@ class GRPOConfig(TrainingArguments):
             self.steps_per_generation = self.gradient_accumulation_steps
         if self.steps_per_generation < 1:
             raise ValueError("steps_per_generation must be >= 1.")
+        if (
+            self.steps_per_generation > self.gradient_accumulation_steps
+            and self.steps_per_generation % self.gradient_accumulation_steps
+        ):
+            raise ValueError(
+                f"steps_per_generation={self.steps_per_generation} must be a multiple of "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} (each optimizer step then "
+                "takes whole micro-batches of one round); change steps_per_generation or generation_batch_size."
+            )
         self.generation_batch_size = per_round * self.steps_per_generation
         if self.generation_batch_size % self.num_generations:
             raise ValueError(

@@ -119,5 +119,7 @@ def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = dict(batch)
     out["input_ids"] = batch["input_ids"][:, first : prompt_width + last]
     out["attention_mask"] = attention[:, first : prompt_width + last]
-    out["completion_mask"] = batch["completion_mask"][:, :last]
+    for key in ("completion_mask", "sampler_logps"):  # the per-completion-token columns
+        if key in batch:
+            out[key] = batch[key][:, :last]
     return out

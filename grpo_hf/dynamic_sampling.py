@@ -40,6 +40,7 @@ class ScoredRound:
     completions: list
     rewards_per_func: torch.Tensor  # (N, F) NaN = does not apply
     errors: int  # completions scored 0 after a reward function raised (this process's)
+    retried: int  # batches a reward function raised on but scored one by one (this process's)
     seconds: float  # generation time (this process's)
 
 
@@ -67,12 +68,14 @@ def stack_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
             parts.append(torch.nn.functional.pad(tensor, pad, value=value))
         return torch.cat(parts)
 
+    recorded = all(r.sampler_logps is not None for r in rollouts)
     return Rollout(
         prompt_ids=cat("prompt_ids", prompt_width, pad_token_id, left=True),  # (sum B, P)
         prompt_mask=cat("prompt_mask", prompt_width, 0, left=True),  # (sum B, P)
         completion_ids=cat("completion_ids", completion_width, pad_token_id, left=False),  # (sum B, C)
         completion_mask=cat("completion_mask", completion_width, 0, left=False),  # (sum B, C)
         truncated=torch.cat([r.truncated for r in rollouts]),  # (sum B,)
+        sampler_logps=cat("sampler_logps", completion_width, 0, left=False) if recorded else None,
     )
 
 
@@ -80,8 +83,8 @@ def take_rows(scored: ScoredRound, rows: list[int]) -> ScoredRound:
     """The given rows of a round, in the given order."""
     index = torch.tensor(rows, dtype=torch.long, device=scored.rewards_per_func.device)
     r = scored.result
-    fields = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.truncated)
-    result = Rollout(*(t.index_select(0, index.to(t.device)) for t in fields))
+    fields = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.truncated, r.sampler_logps)
+    result = Rollout(*(None if t is None else t.index_select(0, index.to(t.device)) for t in fields))
     return replace(
         scored,
         result=result,
@@ -105,10 +108,11 @@ def gather_round(accelerator: Accelerator, scored: ScoredRound, pad_token_id: in
         gather(r.completion_ids, pad_token_id),
         gather(r.completion_mask, 0),
         accelerator.gather(r.truncated.long()).bool(),
+        None if r.sampler_logps is None else gather(r.sampler_logps, 0),
     )
     prompts, completions = (gather_object(list(x)) for x in (scored.prompts, scored.completions))
     rewards = accelerator.gather(scored.rewards_per_func)  # (P * B, F)
-    return ScoredRound(result, prompts, completions, rewards, scored.errors, scored.seconds)
+    return replace(scored, result=result, prompts=prompts, completions=completions, rewards_per_func=rewards)
 
 
 def sample_teaching_groups(
@@ -144,6 +148,7 @@ def sample_teaching_groups(
         completions=[c for r in rounds for c in r.completions],
         rewards_per_func=torch.cat([r.rewards_per_func for r in rounds]),  # (rounds * N, F)
         errors=sum(r.errors for r in local_rounds),
+        retried=sum(r.retried for r in local_rounds),
         seconds=sum(r.seconds for r in local_rounds),
     )
     rows = [g * num_generations + k for g in groups for k in range(num_generations)]

@@ -18,9 +18,11 @@ Aggregation over tokens (`loss_type`):
 - `grpo`: mean over each sequence's tokens, then mean over sequences (DeepSeekMath).
 - `bnpo`: mean over the micro-batch's active tokens.
 - `dr_grpo`: sum / (B * max_completion_length), a constant normaliser (Dr. GRPO, arXiv 2503.20783).
-- `dapo`: sum / active tokens of the whole generation batch (DAPO's token-level mean). The caller
-  passes that count as `dapo_normalizer`; without it the micro-batch's own count is used, which is
-  exact when one micro-batch holds the whole generation batch.
+- `dapo`: sum / active tokens of everything that feeds the same optimizer step (DAPO's token-level
+  mean: every micro-batch of that step, on every process). The caller passes that count, scaled for
+  gradient accumulation and processes, as `dapo_normalizer` (`GRPOTrainer._dapo_normalizers`);
+  without it the micro-batch's own count is used, which is exact when one micro-batch is the step.
+  With no active token at all the loss is 0 (so are its gradients), not NaN; likewise for the others.
 
 With one pass over each generation round (num_iterations = 1, one optimizer step per round),
 old_logp is the current log-prob detached: the ratio is exactly 1, the clip never binds, and the
@@ -96,8 +98,13 @@ def aggregate(
     if loss_type == "dr_grpo":
         return masked.sum() / (per_token.shape[0] * max_completion_length)
     if loss_type == "dapo":
-        normalizer = mask.sum().clamp(min=1) if dapo_normalizer is None else dapo_normalizer
-        return masked.sum() / normalizer
+        normalizer = torch.as_tensor(
+            mask.sum() if dapo_normalizer is None else dapo_normalizer,
+            dtype=masked.dtype,
+            device=masked.device,
+        )
+        # No active token at all (e.g. every completion truncated and masked): loss 0, not 0 / 0.
+        return masked.sum() / torch.where(normalizer > 0, normalizer, torch.ones_like(normalizer))
     raise ValueError(f"loss_type={loss_type!r} is not one of ('grpo', 'bnpo', 'dr_grpo', 'dapo').")
 
 
@@ -119,12 +126,14 @@ def grpo_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     dapo_normalizer: float | None = None,
+    sampler_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """The GRPO loss of one micro-batch and its metrics (detached scalars).
 
     logps, old_logps, ref_logps, entropy, completion_mask: (B, T) over completion tokens;
     advantages: (B,). `old_logps=None` means "same policy": logps detached. `ref_logps` may be
-    None only when beta = 0.
+    None only when beta = 0. `sampler_weights` (B, T), no gradient: per-token importance weights
+    for the policy term, the truncated ratio of old policy to sampler (`sampler_is_weights`).
     """
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     max_completion_length = logps.shape[1] if max_completion_length is None else max_completion_length
@@ -132,6 +141,8 @@ def grpo_loss(
     old_logps = logps.detach() if old_logps is None else old_logps
     log_ratio = importance_log_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T)
     per_token = -clipped_surrogate(log_ratio, advantages, epsilon, epsilon_high, delta)  # (B, T)
+    if sampler_weights is not None:
+        per_token = per_token * sampler_weights
     metrics = _clip_metrics(log_ratio.detach(), advantages, mask, epsilon, epsilon_high)
     if beta != 0.0:
         if ref_logps is None:
@@ -160,6 +171,17 @@ def _clip_metrics(
         "clip_ratio/high": masked_mean(high, mask),
         "clip_ratio/region": masked_mean(low + high, mask),
     }
+
+
+def sampler_is_weights(old_logps: torch.Tensor, sampler_logps: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling, token level: min(pi_old / pi_sampler, cap), (B, T), no grad.
+
+    The completions were drawn by the sampler (a bf16 copy, through top_p / top_k / min_p), whose
+    distribution differs from the policy the loss assumes; weighting the policy-gradient term by
+    this capped ratio corrects for it (Yao et al., "Your efficient RL framework secretly brings
+    you off-policy RL training", 2025). The KL and entropy terms are not weighted.
+    """
+    return torch.exp(old_logps.detach() - sampler_logps).clamp(max=cap)
 
 
 def adaptive_beta(beta: float, kl: float, target_kl: float, num_samples: int, horizon: int) -> float:

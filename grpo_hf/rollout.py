@@ -34,6 +34,9 @@ class Rollout:
     completion_ids: torch.Tensor  # (B, C) pad after the first EOS
     completion_mask: torch.Tensor  # (B, C) 1 up to and including the first EOS
     truncated: torch.Tensor  # (B,) bool: no EOS within max_completion_length
+    # (B, C) log-probs of the drawn tokens under the sampler's own distribution (after the logits
+    # processors, on the generation copy), 0 after the first EOS; None when not recorded.
+    sampler_logps: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -128,14 +131,18 @@ def generation_config(
     pad_token_id: int,
     eos_token_ids: list[int],
 ) -> GenerationConfig:
-    """The sampling settings of a GRPO rollout as a `GenerationConfig`."""
+    """The sampling settings of a GRPO rollout as a `GenerationConfig`.
+
+    Every knob is explicit (top_k 0 and min_p 0.0 mean off): handed to `model.generate`, a None
+    would take transformers' default (top_k 50) or the model's own generation_config instead.
+    """
     return GenerationConfig(
         do_sample=True,
         max_new_tokens=max_completion_length,
         temperature=temperature,
-        top_k=top_k or None,
+        top_k=top_k,
         top_p=top_p,
-        min_p=min_p,
+        min_p=min_p or 0.0,
         repetition_penalty=repetition_penalty,
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_ids,
@@ -205,19 +212,21 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        completion_ids = _decode(model, prompt_ids, prompt_mask, config)  # (B, C)
+        completion_ids, sampler_logps = _decode(model, prompt_ids, prompt_mask, config)  # (B, C) each
     finally:
         model.train(was_training)
     eos_ids = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)
     completion_ids = completion_ids.masked_fill(mask == 0, config.pad_token_id)
-    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated)
+    sampler_logps = sampler_logps.masked_fill(mask == 0, 0.0)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, sampler_logps)
 
 
 def _decode(
     model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig
 ) -> torch.Tensor:
-    """The sampling loop; returns (B, C) new tokens, C <= max_new_tokens."""
+    """The sampling loop; returns (B, C) new tokens, C <= max_new_tokens, and their (B, C) float32
+    log-probs under the distribution they were drawn from (free here: the scores are at hand)."""
     decoder = decoder_for(model, config.max_new_tokens)
     logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
     processors = logits_processors(config)
@@ -227,7 +236,7 @@ def _decode(
     )
     sequence = prompt_ids
     done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
-    new_tokens = []
+    new_tokens, new_logps = [], []
     for step in range(config.max_new_tokens):
         scores = processors(sequence, logits)  # (B, V)
         if config.do_sample:
@@ -235,10 +244,11 @@ def _decode(
         else:
             token = scores.argmax(dim=-1)  # (B,)
         token = token.masked_fill(done, config.pad_token_id)
+        new_logps.append(torch.log_softmax(scores.float(), dim=-1).gather(1, token.unsqueeze(1)).squeeze(1))
         new_tokens.append(token)
         done = done | torch.isin(token, eos)
         if done.all() or step + 1 == config.max_new_tokens:
             break
         sequence = torch.cat([sequence, token.unsqueeze(1)], dim=1)  # (B, P + t)
         logits = decoder(token)  # (B, V)
-    return torch.stack(new_tokens, dim=1)  # (B, C)
+    return torch.stack(new_tokens, dim=1), torch.stack(new_logps, dim=1)  # (B, C), (B, C)

@@ -2,18 +2,28 @@
 
 A reward function is called with keyword arguments only:
 `f(prompts=..., completions=..., completion_ids=..., **dataset_columns) -> list[float | None]`,
-None meaning "does not apply" (stored as NaN). Its output is checked here, so a wrong length, a
-non-number, NaN or inf stops the run with the function's name instead of poisoning the advantages.
-A function that raises is retried one completion at a time to find the offending completion; with
-`reward_error_policy="zero"` those completions score 0 and are counted instead.
+None meaning "does not apply" (stored as NaN). Any real number is a reward (Python, NumPy or a
+one-element tensor, bools included). Its output is checked here, so a wrong length, a non-number,
+NaN or inf stops the run with the function's name instead of poisoning the advantages.
+
+A function that raises on a batch is called again one completion at a time, to find the completion
+it fails on. What happens then is `reward_error_policy`:
+- `raise` (default): the run stops with the function's name, the completion it fails on alone (if
+  any does) and the batch's exception chained as the cause, even when every completion alone scores.
+- `retry`: when every completion alone scores, those scores are used (for errors that depend on
+  the batch or are transient); each such batch is counted in `reward_retried_batches`. A completion
+  that fails alone still stops the run.
+- `zero`: as `retry`, and a completion that fails alone scores 0, counted in `reward_errors`.
 `async def` reward functions run concurrently with each other and with the plain ones
 (`async_rewards`); their output is checked and their errors handled the same way.
 """
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import (
@@ -86,23 +96,24 @@ def score_completions(
     columns: dict[str, list],
     error_policy: str,
     device: torch.device,
-) -> tuple[torch.Tensor, int]:
-    """(N, F) float32 rewards (NaN = does not apply) and the number of completions scored 0 on error."""
+) -> tuple[torch.Tensor, int, int]:
+    """(N, F) float32 rewards (NaN = does not apply), the number of completions scored 0 on error,
+    and the number of batches that raised but scored one completion at a time (see the module)."""
     columns_out = []
-    errors = 0
+    errors = retried = 0
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
     with AsyncRewardCalls(funcs, kwargs) as async_calls:  # started now, awaited below
         for func in funcs:
             if isinstance(func, RewardModel):
                 values = score_with_model(func, prompts, completions)
             else:
-                values, failed = _call_reward_function(
+                values, failed, batch_failed = _call_reward_function(
                     func, prompts, completions, completion_ids, columns, error_policy, async_calls
                 )
-                errors += failed
+                errors, retried = errors + failed, retried + batch_failed
             columns_out.append(values)
     rewards = torch.tensor(columns_out, dtype=torch.float32, device=device).T  # (N, F)
-    return rewards, errors
+    return rewards, errors, retried
 
 
 def _call_reward_function(
@@ -113,19 +124,31 @@ def _call_reward_function(
     columns: dict[str, list],
     error_policy: str,
     async_calls: AsyncRewardCalls,
-) -> tuple[list[float], int]:
+) -> tuple[list[float], int, int]:
+    """The function's values, completions scored 0, and 1 if the batch raised (0 otherwise)."""
     is_async = is_async_reward(func)
     try:
         if is_async:
             values = async_calls.outcome(func)
         else:
             values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        return check_reward_values(reward_name(func), values, len(completions)), 0
+        return check_reward_values(reward_name(func), values, len(completions)), 0, 0
     except RewardOutputError:
         raise
-    except Exception:
+    except Exception as err:
         one_by_one = blocking(func, reward_name(func)) if is_async else func
-        return _call_one_by_one(one_by_one, prompts, completions, completion_ids, columns, error_policy)
+        values, errors = _call_one_by_one(
+            one_by_one, prompts, completions, completion_ids, columns, error_policy, err
+        )
+        if error_policy == "raise":  # every completion scored alone: the error depended on the batch
+            raise RuntimeError(
+                f"Reward function {reward_name(func)!r} raised {type(err).__name__}: {err} on a batch of "
+                f"{len(completions)} completions, but scored each of them alone (the error depends on the "
+                "batch, or was transient; the traceback above is the batch's). Fix the function, or set "
+                "reward_error_policy='retry' to use the one-at-a-time scores and count such batches in "
+                "'reward_retried_batches'."
+            ) from err
+        return values, errors, 1
 
 
 def _call_one_by_one(
@@ -135,6 +158,7 @@ def _call_one_by_one(
     completion_ids: list[list[int]],
     columns: dict[str, list],
     error_policy: str,
+    batch_error: Exception,
 ) -> tuple[list[float], int]:
     """Score each completion alone, to name the one that raises (or score it 0)."""
     values, errors = [], 0
@@ -175,9 +199,10 @@ def check_reward_values(name: str, values: object, expected: int) -> list[float]
         if value is None:
             out.append(math.nan)
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) and not _is_scalar_tensor(value):
+        if not _is_real_number(value):
             raise RewardOutputError(
-                f"Reward function {name!r} returned {value!r} ({type(value).__name__}); rewards must be floats or None."
+                f"Reward function {name!r} returned {value!r} ({type(value).__name__}); rewards must be real "
+                "numbers or None."
             )
         value = float(value)
         if not math.isfinite(value):
@@ -188,8 +213,19 @@ def check_reward_values(name: str, values: object, expected: int) -> list[float]
     return out
 
 
-def _is_scalar_tensor(value: object) -> bool:
-    return isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex
+def _is_real_number(value: object) -> bool:
+    """Python / NumPy reals and bools, and one-element real tensors or arrays."""
+    if isinstance(value, numbers.Real | np.bool_):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.dtype.is_complex
+    if isinstance(value, np.ndarray):
+        return (
+            value.size == 1
+            and (np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_)
+            and not np.iscomplexobj(value)
+        )
+    return False
 
 
 @torch.no_grad()
@@ -199,8 +235,10 @@ def score_with_model(reward: RewardModel, prompts: list, completions: list) -> l
         _join(reward.tokenizer, prompt, completion)
         for prompt, completion in zip(prompts, completions, strict=True)
     ]
+    # A chat template writes the special tokens (BOS) itself: adding them again would double BOS.
+    templated = not isinstance(prompts[0], str) and reward.tokenizer.chat_template is not None
     encoded = reward.tokenizer(
-        texts, return_tensors="pt", padding=True, truncation=True, add_special_tokens=True
+        texts, return_tensors="pt", padding=True, truncation=True, add_special_tokens=not templated
     )
     device = next(reward.model.parameters()).device
     logits = reward.model(**{k: v.to(device) for k, v in encoded.items()}).logits  # (N, labels)

@@ -50,7 +50,7 @@ from grpo_hf.dynamic_sampling import ScoredRound, gather_round, sample_teaching_
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.logprobs import completion_logps
-from grpo_hf.loss import adaptive_beta, grpo_loss
+from grpo_hf.loss import adaptive_beta, grpo_loss, sampler_is_weights
 from grpo_hf.metrics import log_completion_table, round_metrics
 from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
 from grpo_hf.reference import build_reference, is_peft_model, mix_into_reference, reference_context
@@ -63,6 +63,11 @@ from grpo_hf.sharding import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Logged as counts per logging interval (the same on every process), not as means of their records.
+COUNTED_METRICS = frozenset({"nonfinite_steps_skipped"})
+# Logged as the largest record of the interval over every process.
+MAXED_METRICS = frozenset({"sampler/ratio_max"})
 
 
 class _ReferenceSync(TrainerCallback):
@@ -95,6 +100,8 @@ class GRPOTrainer(Trainer):
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if dataset is not None:
                 check_prompt_dataset(dataset, name)
+        if eval_dataset is not None:
+            args.check_eval_batch()
         self.reward_funcs = reward_functions(reward_funcs, reward_processing_classes, args.reward_weights)
         if isinstance(model, str):
             processing_class = processing_class or load_tokenizer(model)
@@ -143,6 +150,7 @@ class GRPOTrainer(Trainer):
             "train": defaultdict(list),
             "eval": defaultdict(list),
         }
+        self._token_sums: dict[str, dict[str, list[float]]] = {"train": {}, "eval": {}}  # key: [sum, tokens]
         self._completion_rows: list[dict] = []
         self.add_callback(NonFiniteGuard(self.record))
         self.add_callback(_ReferenceSync(self))
@@ -251,26 +259,49 @@ class GRPOTrainer(Trainer):
         if args.dynamic_sampling and self.model.training:
             scored = self._dynamically_sampled(scored)
         result, prompts, completions = scored.result, scored.prompts, scored.completions
-        rewards_per_func, errors, seconds = scored.rewards_per_func, scored.errors, scored.seconds
+        rewards_per_func, seconds = scored.rewards_per_func, scored.seconds
         advantages, rewards = self._advantages(rewards_per_func)
         loss_mask = (
             result.completion_mask * (~result.truncated).unsqueeze(1)
             if args.mask_truncated_completions
             else result.completion_mask
         )
-        self._record_round(result, rewards_per_func, rewards, advantages, errors, seconds)
-        self._record_completion_rows(prompts, completions, rewards)
-        normalizer = self.accelerator.gather(loss_mask.sum().float()).sum() / (
-            self.accelerator.num_processes * args.steps_per_generation
+        self._record_round(
+            result, rewards_per_func, rewards, advantages, (scored.errors, scored.retried), seconds
         )
+        self._record_completion_rows(prompts, completions, rewards)
         batch = {
             "input_ids": result.input_ids,
             "attention_mask": result.attention_mask,
             "completion_mask": loss_mask,
             "advantages": advantages,
         }
-        parts = args.steps_per_generation if self.model.training else 1
-        return [self._complete_micro_batch(part, normalizer) for part in split_batch(batch, parts)]
+        if result.sampler_logps is not None:
+            batch["sampler_logps"] = result.sampler_logps
+        parts = split_batch(batch, args.steps_per_generation if self.model.training else 1)
+        normalizers = self._dapo_normalizers([part["completion_mask"] for part in parts])
+        return [
+            self._complete_micro_batch(part, normalizer)
+            for part, normalizer in zip(parts, normalizers, strict=True)
+        ]
+
+    def _dapo_normalizers(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per micro-batch: the DAPO denominator that makes each optimizer step a token mean.
+
+        The Trainer divides each micro-step's loss by gradient_accumulation_steps and DDP averages
+        over processes, so a micro-batch feeding an optimizer step with n active tokens (summed over
+        that step's micro-batches and every process) divides its token sum by n / (P * GA). With
+        several optimizer steps per round (steps_per_generation = k * GA) each step has its own n;
+        with one round per several steps (GA a multiple of steps_per_generation) n is the round's,
+        and the step's gradient is the mean of its rounds' token means. In evaluation (one part per
+        process) n / P makes the mean of the processes' losses the global token mean.
+        """
+        processes = self.accelerator.num_processes
+        counts = torch.stack([mask.sum() for mask in masks]).float()  # (S,)
+        counts = self.accelerator.gather(counts).view(processes, -1).sum(dim=0)  # (S,) over processes
+        per_step = min(self.args.gradient_accumulation_steps, len(masks)) if self.model.training else 1
+        totals = counts.view(-1, per_step).sum(dim=1)  # (S / per_step,) active tokens per optimizer step
+        return [totals[i // per_step] / (processes * per_step) for i in range(len(masks))]
 
     def _sample_and_score(self, rows: list[dict]) -> ScoredRound:
         """Generate one completion per row (rows repeat each prompt G times) and score them."""
@@ -293,10 +324,10 @@ class GRPOTrainer(Trainer):
             ids[mask.bool()].tolist()
             for ids, mask in zip(result.completion_ids, result.completion_mask, strict=True)
         ]
-        rewards_per_func, errors = score_completions(
+        rewards_per_func, errors, retried = score_completions(
             self.reward_funcs, prompts, completions, completion_ids, columns, args.reward_error_policy, device
         )
-        return ScoredRound(result, prompts, completions, rewards_per_func, errors, seconds)
+        return ScoredRound(result, prompts, completions, rewards_per_func, errors, retried, seconds)
 
     def _dynamically_sampled(self, first: ScoredRound) -> ScoredRound:
         """DAPO dynamic sampling: this process's share of a batch of groups that teach."""
@@ -418,11 +449,29 @@ class GRPOTrainer(Trainer):
             entropy=entropy,
             entropy_coef=args.entropy_coef,
             dapo_normalizer=inputs["dapo_normalizer"],
+            sampler_weights=self._sampler_weights(logps, inputs),
         )
         if "kl" in metrics and model.training:
             self._round_kl.append(metrics["kl"].item())
-        self.record({k: v.item() for k, v in metrics.items()})
+        self.record_token_means(
+            {k: v.item() for k, v in metrics.items()}, inputs["completion_mask"].sum().item()
+        )
         return (loss, None) if return_outputs else loss
+
+    def _sampler_weights(self, logps: torch.Tensor, inputs: dict) -> torch.Tensor | None:
+        """Record how far the sampler's token probabilities are from the policy's (ratio
+        pi_old / pi_sampler, mean and max over tokens); the truncated IS weights if configured."""
+        if "sampler_logps" not in inputs:  # completions not drawn by our decode loop
+            return None
+        old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C)
+        mask = inputs["completion_mask"].to(old.dtype)  # (B, C)
+        ratio = torch.exp(old - inputs["sampler_logps"]) * mask  # (B, C)
+        tokens = mask.sum().item()
+        self.record_token_means({"sampler/ratio_mean": ratio.sum().item() / max(tokens, 1)}, tokens)
+        self.record({"sampler/ratio_max": ratio.max().item()})
+        if self.args.sampler_is_cap is None:
+            return None
+        return sampler_is_weights(old, inputs["sampler_logps"], self.args.sampler_is_cap)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -460,7 +509,16 @@ class GRPOTrainer(Trainer):
         for key, value in values.items():
             self._metrics[mode][key].append(value)
 
-    def _record_round(self, result, rewards_per_func, rewards, advantages, errors, seconds) -> None:
+    def record_token_means(self, means: dict[str, float], tokens: float) -> None:
+        """Add per-token means over `tokens` active tokens; logged as means over every token of the
+        logging interval on every process (not as means of per-micro-batch means)."""
+        sums = self._token_sums["train" if self.model.training else "eval"]
+        for key, mean in means.items():
+            total = sums.setdefault(key, [0.0, 0.0])
+            total[0] += mean * tokens
+            total[1] += tokens
+
+    def _record_round(self, result, rewards_per_func, rewards, advantages, error_counts, seconds) -> None:
         gather = self.accelerator.gather
         lengths = gather(result.completion_mask.sum(dim=1).float())  # (N,)
         values = round_metrics(
@@ -475,7 +533,10 @@ class GRPOTrainer(Trainer):
         values["generation/tokens_per_second"] = (
             lengths.sum().item() / max(seconds, 1e-9) / self.accelerator.num_processes
         )
-        values["reward_errors"] = gather(torch.tensor([float(errors)], device=rewards.device)).sum().item()
+        counts = torch.tensor(error_counts, dtype=torch.float32, device=rewards.device)  # (2,)
+        values["reward_errors"], values["reward_retried_batches"] = (
+            gather(counts).view(-1, 2).sum(dim=0).tolist()
+        )
         values["beta"] = self.beta
         self.record(values)
 
@@ -497,18 +558,34 @@ class GRPOTrainer(Trainer):
         self._completion_rows = gather_object(rows)[: self.args.num_completions_to_print]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the interval's GRPO metrics, averaged over steps and processes, then log as usual."""
+        """Add the interval's GRPO metrics, then log as usual: each is averaged over the interval's
+        records and the processes, except the counts in COUNTED_METRICS, summed over the interval,
+        the maxima in MAXED_METRICS, and the token means (kl, entropy, clip_ratio/*,
+        sampler/ratio_mean), means over every token of the interval."""
         mode = "train" if self.model.training else "eval"
+        prefix = "eval_" if mode == "eval" else ""
         metrics = self._metrics[mode]
         if metrics:
+            maxed = sorted(metrics.keys() & MAXED_METRICS)
+            if maxed:
+                local = torch.tensor([max(metrics.pop(k)) for k in maxed], device=self.accelerator.device)
+                largest = self.accelerator.gather(local).view(-1, len(maxed)).max(dim=0).values.tolist()
+                logs.update({prefix + k: v for k, v in zip(maxed, largest, strict=True)})
             keys = sorted(metrics)
             local = torch.tensor(
-                [sum(metrics[k]) / len(metrics[k]) for k in keys], device=self.accelerator.device
+                [sum(metrics[k]) / (1 if k in COUNTED_METRICS else len(metrics[k])) for k in keys],
+                device=self.accelerator.device,
             )
             averaged = self.accelerator.reduce(local, "mean").tolist()
-            prefix = "eval_" if mode == "eval" else ""
             logs.update({prefix + k: v for k, v in zip(keys, averaged, strict=True)})
             metrics.clear()
+        sums = self._token_sums[mode]
+        if sums:
+            keys = sorted(sums)
+            local = torch.tensor([sums[k] for k in keys], device=self.accelerator.device)  # (K, 2)
+            totals = self.accelerator.reduce(local, "sum").tolist()  # (K, 2): token sum, tokens
+            logs.update({prefix + k: s / n if n > 0 else 0.0 for k, (s, n) in zip(keys, totals, strict=True)})
+            sums.clear()
         super().log(logs, start_time)
         if self._completion_rows and self.is_world_process_zero():
             log_completion_table(self._completion_rows, self.args.report_to, self.state.global_step)

@@ -21,6 +21,7 @@ For each scenario the main process writes to OUTPUT_DIR/SCENARIO/:
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -56,6 +57,8 @@ class Scenario:
     completions: str = "fixed"  # "fixed", "sampled" (the real decode loop) or "uneven_stop"
     reward: str = "length"  # a key of REWARDS
     dynamic_sampling: bool = False
+    nonfinite_steps: tuple[int, ...] = ()  # optimizer steps (1-based) whose loss is multiplied by inf
+    lr_scheduler_type: str = "linear"
 
 
 SCENARIOS = {
@@ -80,6 +83,10 @@ SCENARIOS = {
     # DAPO dynamic sampling: half the prompts give every completion the same reward, so groups are
     # dropped and extra rounds generated; the kept groups move between processes.
     "dynamic": Scenario(num_generations=4, global_batch=16, reward="half_constant", dynamic_sampling=True),
+    # Step 2 of 3 has non-finite gradients: skipped and counted by every backend (under DeepSpeed the
+    # step runs inside backward). A constant learning rate, because DeepSpeed does not advance the
+    # scheduler on a skipped step and the plain Trainer does.
+    "nonfinite": Scenario(num_generations=8, nonfinite_steps=(2,), lr_scheduler_type="constant"),
 }
 
 
@@ -96,6 +103,11 @@ class RecordingTrainer(FixedCompletionsTrainer):
     """Keeps the first training round's advantages, completions and DAPO normaliser, in global order."""
 
     first_round: dict | None = None
+    nonfinite_steps: tuple[int, ...] = ()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs)
+        return loss * math.inf if self.state.global_step + 1 in self.nonfinite_steps else loss
 
     def _generate_and_score(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
         parts = super()._generate_and_score(rows)
@@ -175,6 +187,7 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
         ddp_find_unused_parameters=False,
         dynamic_sampling=scenario.dynamic_sampling,
         max_dynamic_sampling_rounds=3,
+        lr_scheduler_type=scenario.lr_scheduler_type,
     )
     force_fsdp_on_cpu()
     peft_config = (
@@ -188,6 +201,7 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
         processing_class=tiny_tokenizer(),
         peft_config=peft_config,
     )
+    trainer.nonfinite_steps = scenario.nonfinite_steps
     initial = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     # get_state_dict gathers whole tensors under FSDP and ZeRO-3: a collective, every process calls it.

@@ -39,13 +39,13 @@ async def slow_answer(completions, answer, **kwargs):
 
 def test_async_rewards_run_concurrently_and_score_like_sync_ones():
     start = time.perf_counter()
-    rewards, errors = score([slow_length, length, slow_answer])
+    rewards, errors, _ = score([slow_length, length, slow_answer])
     elapsed = time.perf_counter() - start
     assert elapsed < 0.35  # two 0.2 s sleeps overlap; one after the other would take 0.4 s
     expected = torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [3.0, 3.0, 3.0]])  # (N, F)
     torch.testing.assert_close(rewards, expected)
     assert errors == 0
-    sync_rewards, _ = score([length, length, lambda completions, answer, **kw: [float(a) for a in answer]])
+    sync_rewards, *_ = score([length, length, lambda completions, answer, **kw: [float(a) for a in answer]])
     torch.testing.assert_close(rewards, sync_rewards)
 
 
@@ -91,7 +91,7 @@ def test_a_raising_async_reward_names_the_function_and_the_completion():
 
 
 def test_a_raising_async_reward_scores_0_under_the_zero_policy():
-    rewards, errors = score([picky, slow_length], policy="zero")
+    rewards, errors, _ = score([picky, slow_length], policy="zero")
     assert rewards[:, 0].tolist() == [1.0, 0.0, 3.0]  # "yy" scored 0, the others scored alone
     assert rewards[:, 1].tolist() == [1.0, 2.0, 3.0]
     assert errors == 1
@@ -108,3 +108,17 @@ def test_the_trainer_logs_an_async_reward_by_name(tmp_path):
     trainer.train()
     logged = trainer.state.log_history[0]
     assert logged["reward/slow_length"] > 0 and "reward/length_reward" in logged
+
+
+async def batch_shy(completions, **kwargs):
+    """Raises on any batch of several completions, scores each one alone."""
+    if len(completions) > 1:
+        raise TimeoutError("the judge dropped a batch")
+    return [float(len(completions[0]))]
+
+
+def test_an_async_error_on_the_batch_only_follows_the_policy():
+    with pytest.raises(RuntimeError, match="'batch_shy' raised TimeoutError.*scored each of them alone"):
+        score([batch_shy])
+    rewards, errors, retried = score([batch_shy], policy="retry")
+    assert rewards[:, 0].tolist() == [1.0, 2.0, 3.0] and (errors, retried) == (0, 1)

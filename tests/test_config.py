@@ -37,6 +37,21 @@ def make(tmp_path, **kwargs) -> GRPOConfig:
             {"generation_batch_size": 12, "num_generations": 4},
             ["generation_batch_size", "per_device_train_batch_size"],
         ),
+        # 3 micro-steps per round cannot make whole optimizer steps of 2 micro-steps
+        (
+            {
+                "per_device_train_batch_size": 4,
+                "num_generations": 4,
+                "steps_per_generation": 3,
+                "gradient_accumulation_steps": 2,
+            },
+            ["steps_per_generation", "gradient_accumulation_steps"],
+        ),  # fmt: skip
+        # evaluation configured: its batches must hold whole groups too
+        (
+            {"per_device_eval_batch_size": 6, "num_generations": 4, "eval_strategy": "steps"},
+            ["per_device_eval_batch_size", "num_generations"],
+        ),
     ],
     ids=lambda value: "-".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else None,
 )
@@ -77,3 +92,19 @@ def test_steps_per_generation_derives_generation_batch_size(tmp_path):
     # 6 per micro-step is not a multiple of 4, but 2 steps make 12 = 3 whole groups
     config = make(tmp_path, per_device_train_batch_size=6, num_generations=4, steps_per_generation=2)
     assert config.generation_batch_size == 12
+
+
+def test_eval_batch_is_not_checked_without_evaluation(tmp_path):
+    assert make(tmp_path, per_device_eval_batch_size=6, num_generations=4).per_device_eval_batch_size == 6
+
+
+def test_an_eval_dataset_checks_the_eval_batch_before_the_model_loads(tmp_path):
+    from trainer_helpers import chat_dataset, length_reward
+
+    from grpo_hf import GRPOTrainer
+
+    args = make(tmp_path, per_device_eval_batch_size=6, num_generations=4)
+    with pytest.raises(
+        ValueError, match="per_device_eval_batch_size"
+    ):  # not an error loading "no-such-model"
+        GRPOTrainer("no-such-model", length_reward, args=args, eval_dataset=chat_dataset(2))

@@ -44,6 +44,9 @@ def test_stack_rollouts_pads_prompts_left_and_completions_right():
     assert both.completion_ids.tolist() == [[7, 0], [9, 2]]
     assert both.completion_mask.tolist() == [[1, 0], [1, 1]]
     assert both.truncated.tolist() == [True, False]
+    assert both.sampler_logps is None  # not recorded (fixed completions)
+    a.sampler_logps, b.sampler_logps = torch.tensor([[-0.5]]), torch.tensor([[-1.0, -2.0]])
+    assert stack_rollouts([a, b], pad_token_id=0).sampler_logps.tolist() == [[-0.5, 0.0], [-1.0, -2.0]]
 
 
 def test_config_checks_the_cap():

@@ -55,3 +55,24 @@ def test_plot_has_a_panel_per_metric_and_tolerates_missing_ones(tmp_path):
     assert len(PANELS) == 3
     assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path == str(tmp_path / "training.png")
+
+
+def test_greedy_completions_are_the_argmax_tokens():
+    """Each completion is the argmax token at every step, computed here one unpadded prompt at a
+    time with the model's own forward (greedy_accuracy pads a batch of two)."""
+    import torch
+
+    model, tokenizer = tiny_llama().eval(), tiny_tokenizer()
+    dataset = Dataset.from_dict({"prompt": ["abc", "a longer prompt"], "score": [1.0, 1.0]})
+    result = greedy_accuracy(model, tokenizer, dataset, column_reward, batch_size=2, max_new_tokens=6)
+    for prompt, completion, _ in result.samples:
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]  # (1, P)
+        new = []
+        for _ in range(6):
+            with torch.no_grad():
+                token = model(input_ids=ids).logits[0, -1].argmax().item()
+            new.append(token)
+            if token == tokenizer.eos_token_id:
+                break
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        assert completion == tokenizer.decode(new, skip_special_tokens=True)

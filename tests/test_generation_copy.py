@@ -34,6 +34,39 @@ def test_lora_copy_equals_the_policy_after_the_adapters_move():
         assert not any("lora" in n for n, _ in copy.model.named_parameters())  # plain model, no adapters
 
 
+def test_lora_copy_follows_modules_to_save_and_trained_biases():
+    """lm_head and the embeddings train whole (modules_to_save), the attention biases train with
+    bias="all": the refreshed copy must hold their current values, not those at copy time."""
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head", "embed_tokens"]
+    )
+    policy = get_peft_model(tiny_llama().eval(), config)
+    copy = GenerationCopy(policy, torch.float32)
+    with torch.no_grad():
+        for param in policy.parameters():
+            if param.requires_grad:
+                param.add_(0.5)  # every trainable parameter moved after the copy was made
+    ids = torch.randint(3, 250, (2, 10))
+    torch.testing.assert_close(logits(copy.refresh(), ids), logits(policy, ids), rtol=1e-4, atol=1e-4)
+    trained = policy.get_base_model()
+    torch.testing.assert_close(copy.model.lm_head.weight, trained.lm_head.modules_to_save["default"].weight)
+    embed = trained.model.embed_tokens.modules_to_save["default"].weight
+    torch.testing.assert_close(copy.model.model.embed_tokens.weight, embed)
+
+
+def test_gpt2_lora_copy_follows_trained_biases():
+    policy = get_peft_model(
+        tiny_gpt2().eval(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], bias="all")
+    )
+    copy = GenerationCopy(policy, torch.float32)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if param.requires_grad and "bias" in name:
+                param.add_(0.5)
+    ids = torch.randint(3, 250, (2, 10))
+    torch.testing.assert_close(logits(copy.refresh(), ids), logits(policy, ids), rtol=1e-4, atol=1e-4)
+
+
 def test_full_model_copy_in_bf16_tracks_the_policy():
     policy = tiny_llama().eval()
     copy = GenerationCopy(policy, torch.bfloat16)

@@ -12,6 +12,7 @@ from grpo_hf.loss import (
     grpo_loss,
     importance_log_ratio,
     kl_estimate,
+    sampler_is_weights,
 )
 
 LOG2 = math.log(2.0)
@@ -193,6 +194,19 @@ def test_aggregate_of_an_empty_mask_is_zero_not_nan():
         assert aggregate(torch.ones(2, 3), torch.zeros(2, 3), loss_type, 3).item() == 0.0
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_a_batch_with_no_active_token_anywhere_has_loss_0_and_zero_gradients(loss_type):
+    """The trainer's DAPO count is 0 too when every completion of the step is masked."""
+    logps = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
+    loss, _ = grpo_loss(
+        logps, None, logps.detach() - 0.1, torch.tensor([1.0, -1.0]), torch.zeros(2, 2), loss_type=loss_type,
+        beta=0.1, dapo_normalizer=torch.tensor(0.0),
+    )  # fmt: skip
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(logps.grad, torch.zeros(2, 2))
+
+
 def test_unknown_loss_type_raises():
     with pytest.raises(ValueError, match="loss_type='ppo'"):
         grpo_loss(LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, loss_type="ppo")
@@ -343,3 +357,21 @@ def test_adaptive_beta_hand_values():
     )
     # Exactly at target: unchanged
     assert adaptive_beta(0.1, kl=0.01, target_kl=0.01, num_samples=100, horizon=10000) == 0.1
+
+
+def test_sampler_is_weights_are_the_ratio_capped():
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.3]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.4, 0.1]]))  # ratios 2, 0.5, 3
+    weights = sampler_is_weights(old, sampler, cap=2.5)
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5, 2.5]]))
+
+
+def test_sampler_weights_scale_the_policy_term_only():
+    """beta = 0.1 k1 with ref = logp - 1 (KL 1 per token), A = 1, ratio 1: per token -w + 0.1."""
+    logps = torch.zeros(1, 2, requires_grad=True)
+    weights = torch.tensor([[0.5, 2.0]])
+    loss, _ = grpo_loss(
+        logps, None, logps.detach() - 1.0, torch.tensor([1.0]), torch.ones(1, 2), loss_type="bnpo", beta=0.1,
+        kl_estimator="k1", sampler_weights=weights,
+    )  # fmt: skip
+    assert loss.item() == pytest.approx(((-0.5 + 0.1) + (-2.0 + 0.1)) / 2)

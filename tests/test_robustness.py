@@ -149,6 +149,13 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
     assert trainer.state.log_history[0]["nonfinite_steps_skipped"] == 1.0
 
 
+def test_nonfinite_steps_skipped_is_a_count_per_logging_interval(tmp_path):
+    NaNLoss.nan_steps = {1, 3}  # not in a row: the run goes on
+    trainer = build(tmp_path, trainer_class=NaNLoss, max_steps=4, logging_steps=4)
+    trainer.train()
+    assert trainer.state.log_history[0]["nonfinite_steps_skipped"] == 2.0
+
+
 def test_too_many_nonfinite_steps_stop_with_a_clear_error(tmp_path):
     NaNLoss.nan_steps = {1, 2}
     trainer = build(tmp_path, trainer_class=NaNLoss, max_steps=4, max_nonfinite_steps=2)

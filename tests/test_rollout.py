@@ -99,3 +99,71 @@ def test_long_prompts_keep_their_last_tokens(caplog):
     assert tokenizer.decode(ids[0]) == "efgh"
     assert mask.tolist() == [[1, 1, 1, 1], [0, 0, 1, 1]]
     assert "max_prompt_length=4" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"top_p": 0.8},
+        {"min_p": 0.2},
+        {"repetition_penalty": 1.5},
+        {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.3},
+    ],
+    ids=["top_p", "min_p", "repetition_penalty", "all"],
+)
+def test_sampling_knobs_transform_logits_as_model_generate_does(knobs):
+    """Our processors on the raw logits of each prefix equal the scores `model.generate` reports
+    (transformers' own processors) for the same settings, at every step of a sampled completion."""
+    settings = {
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": None,
+        "repetition_penalty": 1.0,
+        **knobs,
+    }
+    config = rollout.generation_config(max_completion_length=6, pad_token_id=0, eos_token_ids=[2], **settings)
+    model = tiny_llama().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # peaky distributions, so top_p / min_p cut somewhere
+    torch.manual_seed(4)
+    ids = torch.randint(3, 250, (4, 6))  # (B, P) no padding
+    ids[:, 3:] = ids[:, :3]  # repeated tokens for the penalty
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
+        output_scores=True, return_dict_in_generate=True,
+    )  # fmt: skip
+    processors = rollout.logits_processors(config)
+    cut = 0
+    for t, expected in enumerate(out.scores):  # (B, V) each
+        prefix = out.sequences[:, : ids.shape[1] + t]
+        with torch.no_grad():
+            raw = model(input_ids=prefix).logits[:, -1].float()  # (B, V)
+        ours = processors(prefix, raw.clone())
+        assert torch.equal(torch.isinf(ours), torch.isinf(expected)), f"step {t}: different support"
+        finite = torch.isfinite(expected)
+        torch.testing.assert_close(ours[finite], expected[finite].float(), rtol=1e-4, atol=1e-4)
+        cut += int(torch.isinf(expected).any())
+    if {"top_p", "min_p"} & knobs.keys():
+        assert cut > 0  # the knob removed tokens: the support check was not vacuous
+
+
+def test_sampler_logps_are_the_drawn_tokens_log_probs():
+    """Temperature only (no truncation): the sampler's log-probs equal the policy's own log-probs
+    of the same tokens at that temperature, recomputed with a full forward; 0 after the EOS."""
+    from grpo_hf.engine.logprobs import completion_logps
+
+    tokenizer, model = tiny_tokenizer(), tiny_llama().eval()
+    ids, mask = prompts(tokenizer, repeats=2)
+    config = rollout.generation_config(
+        max_completion_length=8, temperature=0.7, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,
+        pad_token_id=0, eos_token_ids=[2],
+    )  # fmt: skip
+    torch.manual_seed(5)
+    result = rollout.generate(model, ids, mask, config)
+    expected, _ = completion_logps(
+        model, result.input_ids, result.attention_mask, result.completion_ids.shape[1], temperature=0.7
+    )
+    active = result.completion_mask.bool()
+    torch.testing.assert_close(result.sampler_logps[active], expected[active], rtol=1e-4, atol=1e-4)
+    assert (result.sampler_logps[~active] == 0).all()

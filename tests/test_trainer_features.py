@@ -9,7 +9,6 @@ from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward
 from transformers import LlamaConfig, LlamaForSequenceClassification, TrainerCallback
 
 from grpo_hf.engine.logprobs import completion_logps
-from grpo_hf.scoring import score_with_model
 
 
 def first_round(trainer):
@@ -40,14 +39,23 @@ def test_a_reward_model_scores_with_its_first_logit_and_is_logged_by_name(tmp_pa
     )
     batch = first_round(trainer)
     logged = trainer._metrics["train"]
-    # The rewards are the model's own scores of prompt + completion: recompute them from the batch.
+    # The rewards are the model's first logit on the chat-rendered prompt + completion, computed
+    # here one unpadded row at a time (score_with_model pads a batch and must agree).
     width = batch["completion_mask"].shape[1]
     ids = batch["input_ids"][:, -width:].masked_fill(batch["completion_mask"] == 0, 0)  # (8, C)
-    texts = tiny_tokenizer().batch_decode(ids, skip_special_tokens=True)
-    completions = [[{"role": "assistant", "content": text}] for text in texts]
+    tokenizer = tiny_tokenizer()
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     prompts = [row["prompt"] for row in chat_dataset().select([0, 0, 0, 0, 1, 1, 1, 1])]
-    expected = score_with_model(trainer.reward_funcs[1], prompts, completions)
-    assert logged["reward/tiny-rm"] == [pytest.approx(sum(expected) / len(expected), abs=1e-6)]
+    expected = []
+    for prompt, text in zip(prompts, texts, strict=True):
+        rendered = tokenizer.apply_chat_template(
+            prompt + [{"role": "assistant", "content": text}], tokenize=False
+        )
+        row = torch.tensor([tokenizer(rendered, add_special_tokens=False)["input_ids"]])  # (1, L)
+        with torch.no_grad():
+            expected.append(reward_model(input_ids=row).logits[0, 0].item())
+    assert len(set(expected)) > 1  # the completions score differently: the check can tell them apart
+    assert logged["reward/tiny-rm"] == [pytest.approx(sum(expected) / len(expected), abs=1e-5)]
     assert logged["reward"] == logged["reward/tiny-rm"]  # weight 0 on length_reward
     assert not any(p.requires_grad for p in trainer.reward_funcs[1].model.parameters())
 

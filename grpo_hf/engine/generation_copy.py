@@ -5,7 +5,8 @@ Generation is most of GRPO's cost and needs no gradients, so it runs on a copy o
 traffic on a GPU). With LoRA the copy holds the adapters merged into the weights (W + s * B A),
 so decoding pays nothing for them; the policy itself is never merged and unmerged, so its base
 weights stay bit-identical. `refresh()` writes the current policy weights into the copy once per
-generation round. Only the sampling distribution is rounded: log-probs for the loss still come
+generation round: merged LoRA layers, and every other parameter that trains (PEFT's
+`modules_to_save`, such as `lm_head` or the embeddings, and biases with `bias="all"`). Only the sampling distribution is rounded: log-probs for the loss still come
 from the policy, as when a separate inference engine generates.
 
 A Llama-architecture copy decodes through `decoding.LlamaDecoder`. Other models decode through
@@ -14,6 +15,7 @@ their own forward, where the attention of one query token is `attention.grouped_
 """
 
 import copy
+import re
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -74,6 +76,24 @@ class GenerationCopy:
         if getattr(self.model, "_supports_attention_backend", False):
             self.model.set_attn_implementation(DECODE_ATTENTION)
         self._targets = dict(self.model.named_modules())
+        self._trained = self._trained_outside_adapters() if self._lora_layers else []
+
+    def _trained_outside_adapters(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(policy parameter, copy parameter) for every trainable parameter that is not a LoRA
+        adapter: `modules_to_save` copies and trained biases, found by their name once unwrapped."""
+        targets = dict(self.model.named_parameters())
+        pairs = []
+        for name, param in self.policy.get_base_model().named_parameters():
+            if not param.requires_grad or "lora_" in name:
+                continue
+            plain = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name.replace(".base_layer.", "."))
+            if plain not in targets:
+                raise ValueError(
+                    f"The generation copy cannot follow the trained parameter {name!r} (no {plain!r} in the "
+                    "merged model); unset generation_dtype (and --bf16) to generate from the policy itself."
+                )
+            pairs.append((param, targets[plain]))
+        return pairs
 
     @torch.no_grad()
     def refresh(self) -> nn.Module:
@@ -87,4 +107,6 @@ class GenerationCopy:
             for adapter in layer.active_adapters:
                 weight = weight + layer.get_delta_weight(adapter)
             self._targets[name].weight.copy_(weight)
+        for source, target in self._trained:
+            target.copy_(source)
         return self.model
