@@ -16,12 +16,14 @@ def test_position_ids_skip_left_padding():
 
 def test_which_heads_fuse():
     model = tiny_llama()
-    assert logprobs.frozen_head(model) is None  # trained (full fine-tuning): the unfused path
+    assert logprobs.scoring_head(model) is model.lm_head  # trained (full fine-tuning): recomputed in backward
     model.requires_grad_(False)
-    assert logprobs.frozen_head(model) is model.lm_head
+    assert logprobs.scoring_head(model) is model.lm_head  # frozen (LoRA)
     wrapper = torch.nn.Module()
     wrapper.module = model  # as DDP and DeepSpeed hold the model
-    assert logprobs.frozen_head(wrapper) is model.lm_head
+    assert logprobs.scoring_head(wrapper) is model.lm_head
+    model.lm_head = torch.nn.Linear(*model.lm_head.weight.shape[::-1], bias=True)
+    assert logprobs.scoring_head(model) is None  # a bias: the model's own head and `token_logps_and_entropy`
 
 
 # ---- Through a tiny Llama ----------------------------------------------------------------------
