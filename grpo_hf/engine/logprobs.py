@@ -14,10 +14,13 @@
   their gradient. A frozen head (LoRA) with an entropy that needs no gradient takes each token's
   gradient direction in forward; a trainable head (full fine-tuning) or an entropy bonus
   recompute the head's product in backward, chunk by chunk.
-- On a CPU, short batches use SDPA's math kernel (`attention_kernel`): the fused flash kernel
-  costs ~9 ms per layer in backward at 16 rows of 77 tokens, the math kernel a fraction of that;
-  long batches keep the flash kernel, whose memory does not grow with length squared.
-Under gradient checkpointing none of this applies (see `completion_logps`).
+- On a CPU, the padded pass of other models takes SDPA's math kernel on short batches
+  (`attention_kernel`): the fused flash kernel with a padding mask costs ~9 ms per layer in
+  backward at 16 rows of 77 tokens, the math kernel a fraction of that; long batches keep the
+  flash kernel, whose memory does not grow with length squared. The padding-free pass chooses
+  its attention itself (`packing.uses_causal_rows`).
+Gradient checkpointing keeps the padding-free pass (`packing.recomputed_packed`); for other
+models it runs every row whole (see `completion_logps`).
 """
 
 import contextlib
@@ -220,23 +223,23 @@ def completion_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of the last C tokens of input_ids under `model`, and their entropy if asked.
 
-    Models `packing` supports get a padding-free pass (values at padding positions are 0); others
-    a padded one with shared prompts. `gradient_checkpointing=True` (the model recomputes
+    Models `packing` supports get a padding-free pass (values at padding positions are 0), with
+    gradient checkpointing too (its recompute is given the packed attention again); others a
+    padded one with shared prompts. For those, `gradient_checkpointing=True` (the model recomputes
     activations in backward) runs every row whole with SDPA's default kernel: checkpointing turns
     the KV cache off, and the recompute runs outside any kernel choice made here, so it must not
     depend on one. `entropy_grad=False` returns the entropy detached (a metric, not a loss term),
     which spares a frozen LM head's product in backward in the padding-free pass.
     """
-    kernel = contextlib.nullcontext() if gradient_checkpointing else attention_kernel(input_ids)
-    with kernel:
-        if not gradient_checkpointing and can_pack(model):
-            logps, entropy = packed_completion_logps(
-                model, input_ids, attention_mask, completion_length, temperature, with_entropy, entropy_grad
-            )
-        else:
+    if can_pack(model):
+        logps, entropy = packed_completion_logps(
+            model, input_ids, attention_mask, completion_length, temperature, with_entropy, entropy_grad
+        )
+    else:
+        with contextlib.nullcontext() if gradient_checkpointing else attention_kernel(input_ids):
             logits = completion_logits(  # (B, C, V)
                 model, input_ids, attention_mask, completion_length, share_prompts=not gradient_checkpointing
             )
-            targets = input_ids[:, -completion_length:]  # (B, C)
-            logps, entropy = token_logps_and_entropy(logits, targets, temperature, with_entropy)
+        targets = input_ids[:, -completion_length:]  # (B, C)
+        logps, entropy = token_logps_and_entropy(logits, targets, temperature, with_entropy)
     return logps, entropy if entropy is None or entropy_grad else entropy.detach()
