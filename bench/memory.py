@@ -16,6 +16,13 @@ Peak memory: on CUDA `torch.cuda.max_memory_allocated` over the last step (stati
 start); on a CPU the peak RSS of the worker process (`ru_maxrss`), which includes loading the
 model. Results go to bench/results/memory.json. TRL is needed only for `--sides trl`
 (`pip install -e ".[bench]"`).
+
+    python bench/memory.py --saved-per-layer 1024,2048   # a minute or two per length on a CPU
+
+prints instead what one decoder layer of our padding-free policy pass saves for backward, with
+each attention (`packing.uses_causal_rows` forced either way): SmolLM2-135M's layer shape (LoRA
+r=16 on q/k/v/o) with a 4096-token vocabulary, 2 prompts x 2 completions (one ending a quarter
+early), the difference between a 2-layer and a 1-layer model (`tests/test_memory.saved_bytes`).
 """
 
 import argparse
@@ -70,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts-per-step", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600, help="Seconds before a worker is stopped.")
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "memory.json"))
+    parser.add_argument(
+        "--saved-per-layer", default="", help="Completion lengths: print bytes saved per layer."
+    )
     # One configuration in this process (what the driver starts):
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--side", choices=("ours", "trl"), help=argparse.SUPPRESS)
@@ -136,10 +146,36 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.output).write_text(json.dumps(report, indent=1))
 
 
+def saved_per_layer(lengths: list[int]) -> None:
+    """Print the bytes one layer of a policy pass saves for backward, per attention and length."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from peft import LoraConfig, get_peft_model
+    from test_memory import saved_bytes
+
+    from grpo_hf.engine import packing
+
+    def build(layers: int) -> torch.nn.Module:
+        config = AutoConfig.from_pretrained(resolve_model_path(DEFAULT_MODEL))
+        config.num_hidden_layers, config.vocab_size, config.max_position_embeddings = layers, 4096, 8192
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        return get_peft_model(model, lora).eval()
+
+    for length in lengths:
+        for attention, limit in (("causal rows (SDPA)", -1), ("grouped_attention", 10**15)):
+            packing.GROUPED_MAX_SCORES = limit
+            one, two = (saved_bytes(build(layers), length) for layers in (1, 2))
+            print(f"{length} tokens, {attention}: {(two - one) / 2**20:.1f} MB per layer", flush=True)
+
+
 def main() -> None:
     args = parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.saved_per_layer:
+        saved_per_layer([int(n) for n in args.saved_per_layer.split(",")])
         return
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
