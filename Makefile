@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 TRAIN_CONFIG ?= recipes/configs/smollm2_lora_arithmetic.yaml
 ACCELERATE_CONFIG ?= recipes/accelerate/cpu.yaml
 
-.PHONY: install train test test-dist lint bench clean
+.PHONY: install train test test-dist lint bench bench-memory clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ test: install
 bench: install
 	$(BIN)/pip install --quiet -e ".[bench]"
 	$(BIN)/python bench/run.py
+
+# Peak memory of a training step, ours and TRL's, at 256 to 4096 completion tokens (bench/memory.py);
+# results in bench/results/memory.json. On a GPU machine pass e.g. BENCH_MEMORY_ARGS="--num-generations 8".
+bench-memory: install
+	$(BIN)/pip install --quiet -e ".[bench]"
+	$(BIN)/python bench/memory.py $(BENCH_MEMORY_ARGS)
 
 lint: install
 	$(BIN)/ruff check grpo_hf recipes tests bench

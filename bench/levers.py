@@ -158,12 +158,12 @@ def bench_completions(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> tupl
 @contextlib.contextmanager
 def unfused_head() -> Iterator[None]:
     """Packed passes with the model's own LM head, then `token_logps_and_entropy` on its logits."""
-    fused = logprobs.frozen_head
-    logprobs.frozen_head = lambda model: None
+    fused = logprobs.scoring_head
+    logprobs.scoring_head = lambda model: None
     try:
         yield
     finally:
-        logprobs.frozen_head = fused
+        logprobs.scoring_head = fused
 
 
 def padding_free_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:

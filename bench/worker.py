@@ -103,15 +103,25 @@ def training_settings(args: argparse.Namespace, output_dir: str) -> dict:
     }
 
 
-def build_trainer(args: argparse.Namespace, output_dir: str) -> tuple[Trainer, list[float]]:
-    """The side's trainer on the shared workload, and a list TRL's generation timings land in."""
-    model = load_model(DEFAULT_MODEL)
+def build_trainer(
+    args: argparse.Namespace,
+    output_dir: str,
+    model: torch.nn.Module | None = None,
+    lora: bool = True,
+    **overrides,
+) -> tuple[Trainer, list[float]]:
+    """The side's trainer on the shared workload, and a list TRL's generation timings land in.
+
+    `model` (default: the embedded SmolLM2-135M-Instruct), `lora=False` (full fine-tuning) and
+    `overrides` of `training_settings` are for `bench/memory.py`.
+    """
+    model = load_model(DEFAULT_MODEL) if model is None else model
     tokenizer = load_tokenizer(DEFAULT_MODEL)
     dataset = arithmetic_dataset(low=0, high=50, seed=args.seed)["train"]
     peft_config = LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
     )
-    settings = training_settings(args, output_dir)
+    settings = {**training_settings(args, output_dir), **overrides}
     generate_seconds: list[float] = []
     if args.side == "ours":
         from grpo_hf import GRPOConfig, GRPOTrainer
@@ -125,7 +135,7 @@ def build_trainer(args: argparse.Namespace, output_dir: str) -> tuple[Trainer, l
         args=GRPOConfig(**settings),
         train_dataset=dataset,
         processing_class=tokenizer,
-        peft_config=peft_config,
+        peft_config=peft_config if lora else None,
     )
     return trainer, generate_seconds
 

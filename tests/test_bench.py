@@ -71,3 +71,24 @@ def test_bench_runs_our_side_and_writes_every_field(tmp_path):
     assert report["summary"]["ratio_trl_over_ours"] is None  # no TRL side was run
     assert "bench/run.py" in report["commands"]["run"]
     assert "Rerun everything" in done.stdout
+
+
+@pytest.mark.slow
+def test_memory_bench_runs_our_side_with_and_without_checkpointing(tmp_path):
+    output = tmp_path / "memory.json"
+    command = [
+        sys.executable, str(ROOT / "bench" / "memory.py"), "--sides", "ours", "--lengths", "4",
+        "--checkpointing", "off,on", "--num-generations", "2", "--prompts-per-step", "1",
+        "--output", str(output),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(output.read_text())
+    assert "bench/memory.py" in report["command"] and "cpu_model" in report["machine"]
+    results = {r["name"]: r for r in report["results"]}
+    assert set(results) == {"ours-4-nogc", "ours-4-gc"}
+    for name, result in results.items():
+        assert "error" not in result, result
+        assert result["gradient_checkpointing"] == name.endswith("-gc")
+        assert result["peak_rss_mb"] > 100  # a 135M-parameter model
+        assert 1 <= result["mean_completion_length"] <= 4 and result["completions_per_step"] == 2

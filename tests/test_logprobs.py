@@ -3,7 +3,7 @@
 import pytest
 import torch
 from test_token_scores import direct
-from tiny_models import tiny_gpt2, tiny_llama
+from tiny_models import tiny_gpt2, tiny_llama, tiny_mistral
 
 from grpo_hf.engine import logprobs
 from grpo_hf.engine.logprobs import completion_logps, position_ids_from_mask
@@ -16,12 +16,14 @@ def test_position_ids_skip_left_padding():
 
 def test_which_heads_fuse():
     model = tiny_llama()
-    assert logprobs.frozen_head(model) is None  # trained (full fine-tuning): the unfused path
+    assert logprobs.scoring_head(model) is model.lm_head  # trained (full fine-tuning): recomputed in backward
     model.requires_grad_(False)
-    assert logprobs.frozen_head(model) is model.lm_head
+    assert logprobs.scoring_head(model) is model.lm_head  # frozen (LoRA)
     wrapper = torch.nn.Module()
     wrapper.module = model  # as DDP and DeepSpeed hold the model
-    assert logprobs.frozen_head(wrapper) is model.lm_head
+    assert logprobs.scoring_head(wrapper) is model.lm_head
+    model.lm_head = torch.nn.Linear(*model.lm_head.weight.shape[::-1], bias=True)
+    assert logprobs.scoring_head(model) is None  # a bias: the model's own head and `token_logps_and_entropy`
 
 
 # ---- Through a tiny Llama ----------------------------------------------------------------------
@@ -127,7 +129,9 @@ def test_math_attention_only_for_short_batches_on_a_cpu(monkeypatch):
     assert chosen == [logprobs.SDPBackend.MATH]
 
 
-def test_either_attention_kernel_gives_the_same_logps(model, monkeypatch):
+def test_either_attention_kernel_gives_the_same_logps(monkeypatch):
+    """The padded pass (a model that cannot pack) takes the math kernel on short batches."""
+    model = tiny_mistral().eval()
     ids, mask, width = grouped_batch()
     kernels = []
     real = logprobs.sdpa_kernel

@@ -177,3 +177,37 @@ def test_frozen_head_is_cast_once_until_it_changes():
         weight.mul_(2)  # an in-place write bumps the version counter
     second = token_scores._cast_frozen(weight, torch.bfloat16)
     assert second is not first and torch.equal(second, weight.bfloat16())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trainable_head_matches_autograd_through_the_logits(temperature, monkeypatch):
+    """Full fine-tuning / an entropy bonus: the head's product recomputed in backward, chunk by chunk."""
+    monkeypatch.setattr(token_scores, "HEAD_TOKENS_PER_CHUNK", 3)
+    monkeypatch.setattr(token_scores, "TOKENS_PER_CHUNK", 2)
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(5, 4, requires_grad=True), torch.randn(11, 4, requires_grad=True)
+    targets, upstream, entropy_upstream = torch.tensor([0, 3, 10, 2, 2]), torch.randn(5), torch.randn(5)
+    logps, entropy = token_scores.head_token_logps(
+        hidden, weight, targets, temperature, True, torch.float32, entropy_grad=True
+    )
+    assert entropy.requires_grad
+    want_logps, want_entropy = direct(hidden @ weight.T, targets, temperature)
+    torch.testing.assert_close(logps, want_logps, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-6, atol=1e-6)
+    loss = (logps * upstream).sum() + (entropy * entropy_upstream).sum()
+    want_loss = (want_logps * upstream).sum() + (want_entropy * entropy_upstream).sum()
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    for grad, want in zip(grads, torch.autograd.grad(want_loss, (hidden, weight)), strict=True):
+        torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_trainable_head_keeps_no_vocabulary_sized_tensor_for_backward():
+    """What backward keeps: the hidden states, the weight itself and a few numbers per token."""
+    hidden, weight = torch.randn(40, 8, requires_grad=True), torch.randn(1000, 8, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        token_scores.head_token_logps(
+            hidden, weight, torch.zeros(40, dtype=torch.long), 1.0, True, torch.float32
+        )
+    assert weight.data_ptr() in {t.data_ptr() for t in saved}  # the parameter itself, not a copy
+    assert max(t.numel() for t in saved) == weight.numel()  # 8,000 elements; the (M, V) logits are 40,000

@@ -9,13 +9,18 @@
   forward or backward. Other models run the distinct prompts once (`prefill_prompts`) and share
   their KV cache with the padded completions.
 - Only the positions that predict a completion token go through the LM head (`logits_to_keep`),
-  and the log-softmax is chunked (`token_scores`). In the padding-free pass a frozen LM head
-  (LoRA) stands in as `_ScoringHead`, fused with the log-softmax: no (tokens, V) logits at all,
-  nor their gradient, unless the entropy needs a gradient (an entropy bonus).
-- On a CPU, short batches use SDPA's math kernel (`attention_kernel`): the fused flash kernel
-  costs ~9 ms per layer in backward at 16 rows of 77 tokens, the math kernel a fraction of that;
-  long batches keep the flash kernel, whose memory does not grow with length squared.
-Under gradient checkpointing none of this applies (see `completion_logps`).
+  and the log-softmax is chunked (`token_scores`). In the padding-free pass a bias-free LM head
+  stands in as `_ScoringHead`, fused with the log-softmax: no (tokens, V) logits at all, nor
+  their gradient. A frozen head (LoRA) with an entropy that needs no gradient takes each token's
+  gradient direction in forward; a trainable head (full fine-tuning) or an entropy bonus
+  recompute the head's product in backward, chunk by chunk.
+- On a CPU, the padded pass of other models takes SDPA's math kernel on short batches
+  (`attention_kernel`): the fused flash kernel with a padding mask costs ~9 ms per layer in
+  backward at 16 rows of 77 tokens, the math kernel a fraction of that; long batches keep the
+  flash kernel, whose memory does not grow with length squared. The padding-free pass chooses
+  its attention itself (`packing.uses_causal_rows`).
+Gradient checkpointing keeps the padding-free pass (`packing.recomputed_packed`); for other
+models it runs every row whole (see `completion_logps`).
 """
 
 import contextlib
@@ -112,31 +117,43 @@ def completion_logits(
 
 
 class _ScoringHead(nn.Module):
-    """Stands in for a model's frozen LM head for one call: (1, K, E) hidden -> log-probs, entropy (K,)."""
+    """Stands in for a model's LM head for one call: (1, K, E) hidden -> log-probs, entropy (K,)."""
 
-    def __init__(self, head: nn.Linear, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    def __init__(
+        self,
+        head: nn.Linear,
+        targets: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        entropy_grad: bool,
+    ):
         super().__init__()
         self.head, self.targets = head, targets  # (K,)
-        self.temperature, self.with_entropy = temperature, with_entropy
+        self.temperature, self.with_entropy, self.entropy_grad = temperature, with_entropy, entropy_grad
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         device = hidden.device.type
         weight = self.head.weight  # (V, E)
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         logps, entropy = head_token_logps(
-            hidden.squeeze(0), weight, self.targets, self.temperature, self.with_entropy, dtype
+            hidden.squeeze(0),
+            weight,
+            self.targets,
+            self.temperature,
+            self.with_entropy,
+            dtype,
+            self.entropy_grad,
         )  # (K,) each
         return logps, entropy if self.with_entropy else None
 
 
-def frozen_head(model: nn.Module) -> nn.Linear | None:
-    """The model's LM head if `token_scores.head_token_logps` can take its place: a frozen, whole, bias-free Linear."""
+def scoring_head(model: nn.Module) -> nn.Linear | None:
+    """The model's LM head if `token_scores.head_token_logps` can take its place: a whole, bias-free Linear."""
     head = unwrapped(model).get_output_embeddings()
     return (
         head
         if type(head) is nn.Linear
         and head.bias is None
-        and not head.weight.requires_grad
         and type(head.weight.data) is torch.Tensor  # not an FSDP2 shard
         and not hasattr(head.weight, "ds_id")  # not a DeepSpeed ZeRO-3 partition
         else None
@@ -158,8 +175,7 @@ def packed_completion_logps(
     is predicted at its prompt's last token, token j > 0 at its token j - 1, so the LM head runs
     on each row's prompt's last token (repeated per row, so one log-softmax call covers every kept
     position and its backward writes one gradient tensor) and on every completion token but each
-    row's last. A frozen LM head is fused with the log-softmax (`token_scores.head_token_logps`) unless the
-    entropy needs a gradient.
+    row's last. A bias-free LM head is fused with the log-softmax (`token_scores.head_token_logps`).
     """
     prompt_length = input_ids.shape[1] - completion_length
     prompt_ids, prompt_mask = input_ids[:, :prompt_length], attention_mask[:, :prompt_length]  # (B, P)
@@ -174,14 +190,14 @@ def packed_completion_logps(
     has_next = torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)[real]  # (N,)
     rows, later = real.shape[0], real[:, 1:]  # later: (B, C - 1) the real tokens after each first one
     targets = torch.cat([completion[:, 0], completion[:, 1:][later]])  # (B + K,)
-    head = None if with_entropy and entropy_grad else frozen_head(model)
+    head = scoring_head(model)
     out = packed_forward(
         model,
         torch.cat([prompt_ids[first][prompt_real], completion[real]]),  # (U prompts' + N tokens,)
         torch.cat([positions[first, :prompt_length][prompt_real], positions[:, prompt_length:][real]]),
         torch.cat([prompt_ends[row_to_unique], prompt_ends[-1] + 1 + has_next.nonzero().squeeze(1)]),
         PackedRows(prompt_real, row_to_unique, real),
-        head=_ScoringHead(head, targets, temperature, with_entropy) if head else None,
+        head=_ScoringHead(head, targets, temperature, with_entropy, entropy_grad) if head else None,
     )  # (B + K, V) logits, or with a fused head (B + K,) log-probs and entropy
     scores = out if head else token_logps_and_entropy(out, targets, temperature, with_entropy)
     logps, entropy = (
@@ -207,23 +223,23 @@ def completion_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of the last C tokens of input_ids under `model`, and their entropy if asked.
 
-    Models `packing` supports get a padding-free pass (values at padding positions are 0); others
-    a padded one with shared prompts. `gradient_checkpointing=True` (the model recomputes
+    Models `packing` supports get a padding-free pass (values at padding positions are 0), with
+    gradient checkpointing too (its recompute is given the packed attention again); others a
+    padded one with shared prompts. For those, `gradient_checkpointing=True` (the model recomputes
     activations in backward) runs every row whole with SDPA's default kernel: checkpointing turns
     the KV cache off, and the recompute runs outside any kernel choice made here, so it must not
     depend on one. `entropy_grad=False` returns the entropy detached (a metric, not a loss term),
-    which lets the padding-free pass fuse a frozen LM head with the log-softmax.
+    which spares a frozen LM head's product in backward in the padding-free pass.
     """
-    kernel = contextlib.nullcontext() if gradient_checkpointing else attention_kernel(input_ids)
-    with kernel:
-        if not gradient_checkpointing and can_pack(model):
-            logps, entropy = packed_completion_logps(
-                model, input_ids, attention_mask, completion_length, temperature, with_entropy, entropy_grad
-            )
-        else:
+    if can_pack(model):
+        logps, entropy = packed_completion_logps(
+            model, input_ids, attention_mask, completion_length, temperature, with_entropy, entropy_grad
+        )
+    else:
+        with contextlib.nullcontext() if gradient_checkpointing else attention_kernel(input_ids):
             logits = completion_logits(  # (B, C, V)
                 model, input_ids, attention_mask, completion_length, share_prompts=not gradient_checkpointing
             )
-            targets = input_ids[:, -completion_length:]  # (B, C)
-            logps, entropy = token_logps_and_entropy(logits, targets, temperature, with_entropy)
+        targets = input_ids[:, -completion_length:]  # (B, C)
+        logps, entropy = token_logps_and_entropy(logits, targets, temperature, with_entropy)
     return logps, entropy if entropy is None or entropy_grad else entropy.detach()

@@ -70,6 +70,35 @@ def _score_chunk(
     return target_z - log_total, top.squeeze(-1) + log_total, total, entropy
 
 
+def _logit_grads(
+    log_p: torch.Tensor,
+    p: torch.Tensor,
+    targets: torch.Tensor,
+    log_norms: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logps: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    chunk: slice,
+) -> torch.Tensor:
+    """p (c, V) <- dL/dz of the tokens `chunk`, from log_p (c, V) holding their z = logits / T.
+
+    dL/dz = p * c + onehot(t) * dL/dlog p_t, with c = -dL/dlog p_t - (log p + H) * dL/dH per token;
+    log_p is overwritten. The caller divides by T for dL/dlogits.
+    """
+    log_p.sub_(log_norms[chunk].unsqueeze(-1))  # (c, V)
+    torch.exp(log_p.clamp_(min=EXP_FLOOR), out=p)
+    if grad_entropy is None:
+        p.mul_(-grad_logps[chunk].unsqueeze(-1))
+    else:
+        coefficient = log_p.add_(entropy[chunk].unsqueeze(-1)).mul_(-grad_entropy[chunk].unsqueeze(-1))
+        if grad_logps is not None:
+            coefficient.sub_(grad_logps[chunk].unsqueeze(-1))
+        p.mul_(coefficient)
+    if grad_logps is not None:
+        p.scatter_add_(-1, targets[chunk].unsqueeze(-1), grad_logps[chunk].unsqueeze(-1))
+    return p
+
+
 class _TokenLogps(torch.autograd.Function):
     """log softmax(logits / T) at the targets, and the entropy of softmax(logits / T), per token.
 
@@ -112,27 +141,15 @@ class _TokenLogps(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
-        """dL/dz = p * c + onehot(t) * dL/dlog p_t, with c = -dL/dlog p_t - (log p + H) * dL/dH per token."""
         if grad_logps is None and grad_entropy is None:
             return None, None, None, None
         logits, targets, log_norms, entropy = ctx.saved_tensors
         grad = torch.empty_like(logits)  # (M, V)
         scratch = _buffers(logits, *logits.shape, (torch.float32, torch.float32))
         for chunk, (log_p, p) in _chunks(logits.shape[0], scratch):
-            _scaled_into(log_p, logits[chunk], ctx.temperature).sub_(log_norms[chunk].unsqueeze(-1))  # (c, V)
-            torch.exp(log_p.clamp_(min=EXP_FLOOR), out=p)
-            if grad_entropy is None:
-                p.mul_(-grad_logps[chunk].unsqueeze(-1))
-            else:
-                coefficient = log_p.add_(entropy[chunk].unsqueeze(-1)).mul_(
-                    -grad_entropy[chunk].unsqueeze(-1)
-                )
-                if grad_logps is not None:
-                    coefficient.sub_(grad_logps[chunk].unsqueeze(-1))
-                p.mul_(coefficient)
-            if grad_logps is not None:
-                p.scatter_add_(-1, targets[chunk].unsqueeze(-1), grad_logps[chunk].unsqueeze(-1))
-            grad[chunk] = p if ctx.temperature == 1.0 else p.div_(ctx.temperature)
+            _scaled_into(log_p, logits[chunk], ctx.temperature)
+            grads = _logit_grads(log_p, p, targets, log_norms, entropy, grad_logps, grad_entropy, chunk)
+            grad[chunk] = grads if ctx.temperature == 1.0 else grads.div_(ctx.temperature)
         return grad, None, None, None
 
 
@@ -227,6 +244,85 @@ class _HeadTokenLogps(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+class _RecomputedHeadTokenLogps(torch.autograd.Function):
+    """`_TokenLogps` of the logits hidden @ weight.T of any bias-free LM head, recomputed in backward.
+
+    For a trainable head (full fine-tuning) or an entropy that needs a gradient, where
+    `_HeadTokenLogps` cannot serve. Forward takes the head's product `HEAD_TOKENS_PER_CHUNK` rows
+    at a time and keeps two numbers per token; backward takes each chunk's product again, turns it
+    into dL/dlogits (`_logit_grads`) and multiplies it into the hidden states' gradient and, in
+    float32, the weight's. No (M, V) tensor exists at any time, for one more product of the head
+    than the unfused pass (whose (M, V) float32 logits and gradient reach 3 GB at 16k tokens of a
+    49k vocabulary).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, dtype: torch.dtype):
+        with torch.autocast(hidden.device.type, enabled=False):  # products in `dtype`, softmax in float32
+            rows = hidden.shape[0]
+            logps = hidden.new_empty(rows, dtype=torch.float32)  # (M,)
+            log_norms = torch.empty_like(logps)  # (M,) logsumexp(z)
+            entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+            for tokens, z, e in _head_chunks(hidden, weight, temperature, dtype):
+                logps[tokens], log_norms[tokens], _, part_entropy = _score_chunk(
+                    z, e, targets[tokens], with_entropy
+                )
+                if with_entropy:
+                    entropy[tokens] = part_entropy
+        ctx.save_for_backward(hidden, weight, targets, log_norms, entropy)
+        ctx.temperature, ctx.dtype = temperature, dtype
+        ctx.set_materialize_grads(False)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+        hidden, weight, targets, log_norms, entropy = ctx.saved_tensors
+        if grad_logps is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        with torch.autocast(hidden.device.type, enabled=False):
+            states, cast = hidden.to(ctx.dtype), weight.to(ctx.dtype)  # (M, E), (V, E)
+            grad_hidden = torch.empty_like(states) if ctx.needs_input_grad[0] else None  # (M, E)
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+            products = [states.new_empty(min(states.shape[0], HEAD_TOKENS_PER_CHUNK), cast.shape[0])]
+            scratch = _buffers(states, states.shape[0], cast.shape[0], (torch.float32, torch.float32))
+            for chunk, (product,) in _chunks(states.shape[0], products):
+                torch.mm(states[chunk], cast.t(), out=product)  # (c, V) logits
+                for part, (log_p, p) in _chunks(product.shape[0], scratch):
+                    tokens = slice(chunk.start + part.start, chunk.start + part.stop)
+                    _scaled_into(log_p, product[part], ctx.temperature)
+                    grads = _logit_grads(
+                        log_p, p, targets, log_norms, entropy, grad_logps, grad_entropy, tokens
+                    )
+                    product[part] = grads if ctx.temperature == 1.0 else grads.div_(ctx.temperature)
+                if grad_hidden is not None:
+                    torch.mm(product, cast, out=grad_hidden[chunk])  # (c, E)
+                if grad_weight is not None:
+                    grad_weight.add_(torch.mm(product.t(), states[chunk]))  # (V, E)
+        return (
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _head_chunks(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """Token slices of hidden (M, E), each with z = (hidden @ weight.T)[slice] / T in a float32 buffer, and a second one."""
+    states, cast = hidden.to(dtype), weight.to(dtype)  # (M, E), (V, E)
+    rows, vocab = states.shape[0], cast.shape[0]
+    products = [states.new_empty(min(rows, HEAD_TOKENS_PER_CHUNK), vocab)]
+    scratch = _buffers(states, rows, vocab, (torch.float32, torch.float32))
+    for chunk, (product,) in _chunks(rows, products):
+        torch.mm(states[chunk], cast.t(), out=product)  # (c, V) logits
+        for part, (z, e) in _chunks(product.shape[0], scratch):
+            _scaled_into(z, product[part], temperature)
+            yield slice(chunk.start + part.start, chunk.start + part.stop), z, e
+
+
 def head_token_logps(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -234,10 +330,14 @@ def head_token_logps(
     temperature: float,
     with_entropy: bool,
     dtype: torch.dtype,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(targets) and the entropy of the logits hidden (M, E) @ weight.T, for a frozen weight (V, E).
+    """log p(targets) and the entropy of the logits hidden (M, E) @ weight.T, with weight (V, E).
 
     The products are taken in `dtype`. Both results are (M,) float32; the entropy is empty unless
-    `with_entropy`, and never carries a gradient.
+    `with_entropy`. A frozen weight and an entropy without gradient take `_HeadTokenLogps`
+    (no recompute); a trainable weight or `entropy_grad` take `_RecomputedHeadTokenLogps`.
     """
+    if weight.requires_grad or (with_entropy and entropy_grad):
+        return _RecomputedHeadTokenLogps.apply(hidden, weight, targets, temperature, with_entropy, dtype)
     return _HeadTokenLogps.apply(hidden, weight, targets, temperature, with_entropy, dtype)
