@@ -2,6 +2,9 @@
 
     python bench/levers.py            # about a minute; writes bench/results/levers.json
 
+Everything runs in bf16 where this CPU multiplies it natively (AVX-512-BF16 or AMX) and in float32
+elsewhere, as the trainer's precision='auto' would; "bf16" below reads "float32" there.
+
 - sampling: `rollout.sample_tokens` (inverse CDF, one uniform per row) against
   `torch.multinomial(softmax)`, 16 rows of the default model's 49k vocabulary, ms per call;
 - decoding step: `decoding.LlamaDecoder` against the model's own forward (`TransformersDecoder`)
@@ -42,7 +45,7 @@ from peft import LoraConfig, get_peft_model
 
 from grpo_hf.engine import logprobs, packing
 from grpo_hf.engine.attention import grouped_attention
-from grpo_hf.engine.cpu import BlockedLinear
+from grpo_hf.engine.cpu import BlockedLinear, native_bf16
 from grpo_hf.engine.decoding import LlamaDecoder, TransformersDecoder
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.logprobs import (
@@ -55,6 +58,8 @@ from grpo_hf.models import DEFAULT_MODEL, load_model
 from grpo_hf.rollout import sample_tokens
 
 ROWS, GROUP, PROMPT, COMPLETION = 16, 8, 29, 48
+# The precision the trainer's precision='auto' takes here: bf16 only on a CPU that multiplies it natively.
+DTYPE = torch.bfloat16 if native_bf16() else torch.float32
 OUTPUT = Path(__file__).resolve().parent / "results" / "levers.json"
 
 
@@ -84,7 +89,7 @@ def sampling_lever(vocab: int) -> tuple[float, float]:
 
 @torch.no_grad()
 def decoding_lever(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    copy = GenerationCopy(model, torch.bfloat16).refresh()
+    copy = GenerationCopy(model, DTYPE).refresh()
     token = torch.randint(0, copy.config.vocab_size, (ROWS,))
 
     def per_step(kind: type) -> float:
@@ -97,9 +102,9 @@ def decoding_lever(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
 
 @torch.no_grad()
 def matmul_lever(model: torch.nn.Module) -> tuple[float, float]:
-    copy = GenerationCopy(model, torch.bfloat16).refresh()
+    copy = GenerationCopy(model, DTYPE).refresh()
     weights = [module.weight for module in copy.modules() if isinstance(module, torch.nn.Linear)]
-    inputs = [torch.randn(ROWS, weight.shape[1], dtype=torch.bfloat16) for weight in weights]
+    inputs = [torch.randn(ROWS, weight.shape[1], dtype=DTYPE) for weight in weights]
     blocked = [BlockedLinear(weight, ROWS) for weight in weights]
 
     def ours() -> None:
@@ -119,10 +124,10 @@ def lora_policy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def fwd_bwd_seconds(run: Callable[[], torch.Tensor]) -> float:
-    """Seconds of one forward (under bf16 autocast) and the backward of its scalar."""
+    """Seconds of one forward (under bf16 autocast where bf16 is native) and the backward of its scalar."""
 
     def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=DTYPE == torch.bfloat16):
             scalar = run()
         scalar.backward()
 
@@ -207,7 +212,7 @@ def attention_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tens
 
 def fused_head_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
     input_ids, attention = bench_completions(ids, mask, policy.config.vocab_size)
-    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    accelerator = Accelerator(mixed_precision="bf16" if DTYPE == torch.bfloat16 else "no", cpu=True)
     model = accelerator.prepare_model(policy)  # wraps policy.forward: autocast, float32 outputs
 
     def run(fused: bool) -> float:
@@ -244,6 +249,8 @@ def main() -> None:
         results[name] = {"ours": ours, "plain": plain, "unit": unit, "speedup": plain / ours}
         print(f"{name:28s} ours {ours:8.3f} {unit}   plain {plain:8.3f} {unit}   {plain / ours:5.2f}x")
     results["threads"] = torch.get_num_threads()
+    results["dtype"] = str(DTYPE)
+    results["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     OUTPUT.parent.mkdir(parents=True, exist_ok=True)
     OUTPUT.write_text(json.dumps(results, indent=1))
     print(f"Results: {OUTPUT}")

@@ -12,6 +12,7 @@ import torch
 from transformers import TrainingArguments
 
 from grpo_hf.engine import native_bf16
+from grpo_hf.engine.decoding import DECODERS
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -182,6 +183,14 @@ class GRPOConfig(TrainingArguments):
             "--bf16 (and --use_cpu for bf16 on a CPU). Unset: --bf16 / --fp16 as given."
         },
     )
+    generation_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "Which decoder generates: 'auto' (Llama's maths on the raw weights where it reproduces "
+            "the model, the model's own forward elsewhere), 'llama' (that one, or an error), 'transformers' "
+            "(the model's own forward with a DynamicCache, any architecture)."
+        },
+    )
     generation_dtype: str | None = field(
         default=None,
         metadata={
@@ -242,6 +251,7 @@ class GRPOConfig(TrainingArguments):
             ("scale_rewards", SCALE_REWARDS),
             ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
             ("reward_error_policy", REWARD_ERROR_POLICIES),
+            ("generation_backend", DECODERS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(

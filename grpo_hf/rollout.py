@@ -202,17 +202,21 @@ def generate(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     config: GenerationConfig,
+    backend: str = "auto",
 ) -> Rollout:
     """One completion per prompt row (rows are already repeated G times), with a KV cache.
 
     Each distinct prompt is prefilled once and its cache shared by its copies; decoding stops as
     soon as every row has produced an EOS. Sampling uses the same logits processors as
-    `model.generate`, so the knobs mean what they mean there.
+    `model.generate`, so the knobs mean what they mean there. `backend` picks the decoder
+    (`engine.decoding.decoder_for`).
     """
     was_training = model.training
     model.eval()
     try:
-        completion_ids, sampler_logps = _decode(model, prompt_ids, prompt_mask, config)  # (B, C) each
+        completion_ids, sampler_logps = _decode(
+            model, prompt_ids, prompt_mask, config, backend
+        )  # (B, C) each
     finally:
         model.train(was_training)
     eos_ids = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
@@ -223,11 +227,15 @@ def generate(
 
 
 def _decode(
-    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, config: GenerationConfig
-) -> torch.Tensor:
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    config: GenerationConfig,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampling loop; returns (B, C) new tokens, C <= max_new_tokens, and their (B, C) float32
     log-probs under the distribution they were drawn from (free here: the scores are at hand)."""
-    decoder = decoder_for(model, config.max_new_tokens)
+    decoder = decoder_for(model, config.max_new_tokens, backend)
     logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
     processors = logits_processors(config)
     eos = torch.tensor(

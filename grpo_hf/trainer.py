@@ -410,7 +410,7 @@ class GRPOTrainer(Trainer):
             else self.accelerator.unwrap_model(self.model)
         )
         with unsharded_for_generation(model, self.accelerator):
-            return rollout.generate(model, prompt_ids, prompt_mask, config)
+            return rollout.generate(model, prompt_ids, prompt_mask, config, args.generation_backend)
 
     def _advantages(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather every process's rewards, normalise per group, keep this process's slice."""

@@ -106,6 +106,27 @@ def test_decoder_for_uses_the_llama_step_only_where_it_reproduces_the_model():
     assert is_plain_llama(tiny_llama()) and not is_plain_llama(biased) and not is_plain_llama(dynamic_rope)
 
 
+def test_generation_backend_overrides_the_choice_or_names_the_setting():
+    assert isinstance(decoder_for(tiny_llama(), 3, "transformers"), TransformersDecoder)
+    assert isinstance(decoder_for(tiny_llama(), 3, "llama"), LlamaDecoder)
+    with pytest.raises(ValueError, match="generation_backend='llama' needs a plain LlamaForCausalLM"):
+        decoder_for(tiny_gpt2(), 3, "llama")
+    with pytest.raises(ValueError, match="generation_backend='vllm' is not one of"):
+        decoder_for(tiny_llama(), 3, "vllm")
+
+
+@torch.no_grad()
+def test_both_backends_decode_the_same_greedy_tokens():
+    from transformers import GenerationConfig
+
+    from grpo_hf.rollout import generate
+
+    model, (ids, mask) = tiny_llama().eval(), prompts()
+    config = GenerationConfig(do_sample=False, max_new_tokens=8, pad_token_id=0, eos_token_id=[2])
+    ours = generate(model, ids, mask, config, "llama").completion_ids
+    assert torch.equal(ours, generate(model, ids, mask, config, "transformers").completion_ids)
+
+
 @torch.no_grad()
 def test_weights_changed_between_rounds_are_reordered_again_and_the_rest_reused():
     model = tiny_llama().eval().requires_grad_(False)  # as the generation copy

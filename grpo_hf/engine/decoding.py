@@ -230,8 +230,26 @@ class LlamaDecoder:
         return self.lm_head(_rms_norm(hidden, self.final_norm, self.eps)).float()  # (B, V)
 
 
-def decoder_for(model: nn.Module, max_new_tokens: int) -> LlamaDecoder | TransformersDecoder:
-    """The prefill and decoding steps for `model`, for completions of up to `max_new_tokens`."""
-    if is_plain_llama(model):
+DECODERS = ("auto", "llama", "transformers")
+
+
+def decoder_for(
+    model: nn.Module, max_new_tokens: int, backend: str = "auto"
+) -> LlamaDecoder | TransformersDecoder:
+    """The prefill and decoding steps for `model`, for completions of up to `max_new_tokens`.
+
+    `backend` (`GRPOConfig.generation_backend`): 'auto' takes `LlamaDecoder` wherever it reproduces
+    the model (`is_plain_llama`) and the model's own forward elsewhere; 'llama' / 'transformers'
+    insist on one.
+    """
+    if backend not in DECODERS:
+        raise ValueError(f"generation_backend={backend!r} is not one of {DECODERS}.")
+    plain_llama = is_plain_llama(model)
+    if backend == "llama" and not plain_llama:
+        raise ValueError(
+            f"generation_backend='llama' needs a plain LlamaForCausalLM with whole local weights, not "
+            f"{type(model).__name__}; set generation_backend='auto'."
+        )
+    if plain_llama and backend != "transformers":
         return LlamaDecoder(model, max_new_tokens)
     return TransformersDecoder(model)
