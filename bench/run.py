@@ -77,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.skipped = []
     args.ours_precisions = _precisions(parser, "ours", args.ours_precisions, args.skipped)
     args.trl_precisions = _precisions(parser, "trl", args.trl_precisions, args.skipped)
+    args.skipped = [key for key in args.skipped if key.split("_")[0] in args.sides]
     if args.steps < 2:
         parser.error("--steps must be >= 2: the first step is a warm-up and is not timed.")
     if args.rounds < 1:
