@@ -31,6 +31,7 @@ def test_auto_precisions_skip_bf16_where_it_is_emulated(native, monkeypatch):
     else:
         assert (args.ours_precisions, args.trl_precisions) == (["fp32"], ["fp32"])
         assert args.skipped == ["ours_bf16", "trl_bf16"]
+        assert run.parse_args(["--sides", "ours"]).skipped == ["ours_bf16"]  # only sides that run
     named = run.parse_args(["--ours-precisions", "bf16", "--trl-precisions", "bf16,fp32"])
     assert (named.ours_precisions, named.trl_precisions, named.skipped) == (["bf16"], ["bf16", "fp32"], [])
 
