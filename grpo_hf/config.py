@@ -105,6 +105,21 @@ class GRPOConfig(TrainingArguments):
         },
     )
 
+    # ---- Tools (multi-turn rollouts: GRPOTrainer(tools=..., environment_factory=...)) -------------
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "Turns whose tool calls are answered per episode; a call after that is left unanswered and "
+            "the episode ends. None: no limit but max_completion_length, which counts model and tool tokens."
+        },
+    )
+    tool_timeout: float = field(
+        default=10.0,
+        metadata={
+            "help": "Seconds a tool call may take; after that the model gets an error message instead."
+        },
+    )
+
     # ---- Policy loss ---------------------------------------------------------------------------
     num_iterations: int = field(
         default=1, metadata={"help": "Passes over each generation round (mu in DeepSeekMath)."}
@@ -295,6 +310,11 @@ class GRPOConfig(TrainingArguments):
                 "dynamic_sampling; set dynamic_sampling=False to generate no extra rounds)",
             ),
             (self.reward_weights is None or len(self.reward_weights) > 0, "reward_weights must not be empty"),
+            (
+                self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 1,
+                "max_tool_calling_iterations must be >= 1 (or None: no limit)",
+            ),
+            (self.tool_timeout > 0, "tool_timeout must be > 0 seconds"),
         ]
         for ok, message in checks:
             if not ok:

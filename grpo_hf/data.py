@@ -14,8 +14,12 @@ import torch
 from torch.utils.data import Sampler
 
 
-def check_prompt_dataset(dataset, name: str) -> None:
-    """Fail early, naming the column, on a dataset the trainer cannot use."""
+def check_prompt_dataset(dataset, name: str, needs_chat: bool = False) -> None:
+    """Fail early, naming the column, on a dataset the trainer cannot use.
+
+    `needs_chat`: tools are in use, so prompts must be chat messages (the chat template describes the
+    tools and renders their results) and no column may be named 'environments' (the reward
+    functions' keyword for the episodes' environments)."""
     columns = getattr(dataset, "column_names", None)
     if columns is not None and "prompt" not in columns:
         raise ValueError(
@@ -32,6 +36,16 @@ def check_prompt_dataset(dataset, name: str) -> None:
     if len(kinds) > 1:
         raise ValueError(
             f"{name}: 'prompt' mixes plain-text and chat-format rows; use one format for all rows."
+        )
+    if needs_chat and kinds == {"text"}:
+        raise ValueError(
+            f"{name}: tools need chat prompts (a list of {{'role', 'content'}} messages in 'prompt'), since the "
+            "chat template describes the tools and renders their results; found plain text."
+        )
+    if needs_chat and columns is not None and "environments" in columns:
+        raise ValueError(
+            f"{name} has a column named 'environments', the keyword that hands reward functions the episodes' "
+            "environments; rename the column."
         )
 
 

@@ -69,6 +69,7 @@ def stack_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         return torch.cat(parts)
 
     recorded = all(r.sampler_logps is not None for r in rollouts)
+    with_tools = all(r.tool_mask is not None for r in rollouts)
     return Rollout(
         prompt_ids=cat("prompt_ids", prompt_width, pad_token_id, left=True),  # (sum B, P)
         prompt_mask=cat("prompt_mask", prompt_width, 0, left=True),  # (sum B, P)
@@ -76,6 +77,7 @@ def stack_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
         completion_mask=cat("completion_mask", completion_width, 0, left=False),  # (sum B, C)
         truncated=torch.cat([r.truncated for r in rollouts]),  # (sum B,)
         sampler_logps=cat("sampler_logps", completion_width, 0, left=False) if recorded else None,
+        tool_mask=cat("tool_mask", completion_width, 0, left=False) if with_tools else None,
     )
 
 
@@ -83,7 +85,15 @@ def take_rows(scored: ScoredRound, rows: list[int]) -> ScoredRound:
     """The given rows of a round, in the given order."""
     index = torch.tensor(rows, dtype=torch.long, device=scored.rewards_per_func.device)
     r = scored.result
-    fields = (r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.truncated, r.sampler_logps)
+    fields = (
+        r.prompt_ids,
+        r.prompt_mask,
+        r.completion_ids,
+        r.completion_mask,
+        r.truncated,
+        r.sampler_logps,
+        r.tool_mask,
+    )
     result = Rollout(*(None if t is None else t.index_select(0, index.to(t.device)) for t in fields))
     return replace(
         scored,
@@ -109,6 +119,7 @@ def gather_round(accelerator: Accelerator, scored: ScoredRound, pad_token_id: in
         gather(r.completion_mask, 0),
         accelerator.gather(r.truncated.long()).bool(),
         None if r.sampler_logps is None else gather(r.sampler_logps, 0),
+        None if r.tool_mask is None else gather(r.tool_mask, 0),
     )
     prompts, completions = (gather_object(list(x)) for x in (scored.prompts, scored.completions))
     rewards = accelerator.gather(scored.rewards_per_func)  # (P * B, F)

@@ -1,5 +1,10 @@
-"""Greedy accuracy on a held-out split: the before / after number of a training run."""
+"""Greedy accuracy on a held-out split: the before / after number of a training run.
 
+With `tools`, each prompt is a greedy multi-turn episode (`multi_turn`), as in training.
+"""
+
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +14,9 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from grpo_hf import rollout
 from grpo_hf.async_rewards import blocking, is_async_reward
+from grpo_hf.multi_turn import tool_episodes
 from grpo_hf.scoring import RewardFunc, reward_name
+from grpo_hf.tools import Toolbox
 
 
 @dataclass
@@ -21,6 +28,7 @@ class EvalResult:
 
     accuracy: float
     samples: list[tuple[str, str, float]]
+    tool_calls_per_episode: float | None = None  # with tools
 
 
 @torch.no_grad()
@@ -33,8 +41,13 @@ def greedy_accuracy(
     batch_size: int = 64,
     max_new_tokens: int = 32,
     num_samples: int = 4,
+    tools: list[Callable] | None = None,
+    max_tool_calling_iterations: int | None = None,
+    tool_timeout: float = 10.0,
 ) -> EvalResult:
-    """Greedy-decode every prompt of `dataset` and average `reward_func` over the completions."""
+    """Greedy-decode every prompt of `dataset` and average `reward_func` over the completions.
+
+    With `tools`, `max_new_tokens` is each episode's whole budget (model and tool tokens)."""
     device = next(model.parameters()).device
     config = GenerationConfig(
         do_sample=False,
@@ -44,20 +57,42 @@ def greedy_accuracy(
     )
     if is_async_reward(reward_func):
         reward_func = blocking(reward_func, reward_name(reward_func))
-    scores, samples = [], []
+    toolbox = Toolbox(tools, None) if tools else None
+    scores, samples, calls = [], [], []
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
-        texts = [rollout.render_prompt(tokenizer, p) for p in rows["prompt"]]
-        ids, mask = rollout.tokenize_prompts(tokenizer, texts, None, device)
-        result = rollout.generate(model, ids, mask, config)
-        completions = rollout.decode_completions(
-            tokenizer, result, chat=not isinstance(rows["prompt"][0], str)
-        )
+        if toolbox is None:
+            texts = [rollout.render_prompt(tokenizer, p) for p in rows["prompt"]]
+            ids, mask = rollout.tokenize_prompts(tokenizer, texts, None, device)
+            result = rollout.generate(model, ids, mask, config)
+            completions = rollout.decode_completions(
+                tokenizer, result, chat=not isinstance(rows["prompt"][0], str)
+            )
+        else:
+            _, completions, episodes = tool_episodes(
+                rows["prompt"],
+                [toolbox.shared] * len(rows["prompt"]),
+                toolbox.schemas,
+                tokenizer,
+                lambda ids, mask, n: rollout.generate(model, ids, mask, _with_max_new_tokens(config, n)),
+                max_prompt_length=None,
+                max_iterations=max_tool_calling_iterations,
+                max_completion_length=max_new_tokens,
+                timeout=tool_timeout,
+                device=device,
+            )
+            calls += [e.tool_calls for e in episodes]
         columns = {k: v for k, v in rows.items() if k != "prompt"}
         rewards = reward_func(prompts=rows["prompt"], completions=completions, completion_ids=None, **columns)
         batch_scores = [0.0 if r is None else float(r) for r in rewards]  # None: does not apply, scores 0
         scores.extend(batch_scores)
         for prompt, completion, score in zip(rows["prompt"], completions, batch_scores, strict=True):
             if len(samples) < num_samples:
-                samples.append((rollout.message_text(prompt), rollout.message_text(completion), score))
-    return EvalResult(sum(scores) / max(len(scores), 1), samples)
+                samples.append((rollout.message_text(prompt), rollout.transcript(completion), score))
+    return EvalResult(sum(scores) / max(len(scores), 1), samples, sum(calls) / len(calls) if calls else None)
+
+
+def _with_max_new_tokens(config: GenerationConfig, max_new_tokens: int) -> GenerationConfig:
+    config = copy.deepcopy(config)
+    config.max_new_tokens = max_new_tokens
+    return config

@@ -13,6 +13,8 @@ Implemented:
   `<answer>...</answer>` block), else 0.0.
 - `make_overlong_reward`: DAPO's soft overlong punishment (arXiv 2503.14476) on the
   completion length in tokens: 0 up to `max - cache`, linear down to -1 at `max`, -1 beyond.
+- `tool_use_reward`: 1.0 if a multi-turn completion holds a tool result that is not an error
+  (the model made a well-formed call to a known tool that returned), else 0.0.
 - `countdown_reward`: the Countdown game (as in Stream of Search, arXiv 2404.03683) scored as in
   TinyZero, an open replication of DeepSeek-R1-Zero (arXiv 2501.12948): the equation must use
   exactly the given numbers, each once, with + - * / and parentheses, and equal the target. Departs
@@ -49,6 +51,15 @@ def completion_text(completion: str | list[dict]) -> str:
     raise TypeError(f"A completion is a str or a list of chat messages, got {type(completion).__name__}.")
 
 
+def final_answer_text(completion: str | list[dict]) -> str:
+    """The text that holds a completion's answer: the str itself, or its last assistant message
+    (in a multi-turn completion, the model's last turn, not a tool result)."""
+    if isinstance(completion, list):
+        turns = [m for m in completion if m.get("role", "assistant") == "assistant"]
+        return _message_text(turns[-1].get("content")) if turns else ""
+    return completion_text(completion)
+
+
 def _message_text(content: object) -> str:
     if content is None:
         return ""
@@ -67,6 +78,10 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # An ASCII number not glued to a word or a decimal point before it: "-8", "1,234", "3.5", "3/4".
 _NUMBER = re.compile(r"(?<![\w.])-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?:/[0-9]+)?")
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+# An operation left undone: an operator between two operands ("37 + 45", "2 \times 3", "(3+4)*2").
+# A fraction's "/" is not one: "3/4" is an answer.
+_OPERATION = re.compile(r"[0-9)}.]\s*(?:[-+*×·÷^]|\\times|\\cdot|\\div)\s*[0-9({\\.]")
+_PLAIN_NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?(?:/[0-9]+)?")
 _WORD = re.compile(r"[A-Za-z]{2,}")
 
 
@@ -192,6 +207,8 @@ def _score_answer(text: str, gold: object) -> float | None:
     candidate = candidate.replace("$", "").strip()
     if not candidate or not _is_cheap_to_verify(candidate):
         return 0.0
+    if _PLAIN_NUMBER.fullmatch(str(gold).strip()) and _OPERATION.search(candidate):
+        return 0.0  # the question restated ("37 + 45" for 82) is not its answer, though it equals it
     try:
         predicted = parse(f"${candidate}$", parsing_timeout=None)
         correct = bool(predicted) and verify(list(gold_parsed), predicted, timeout_seconds=None)
@@ -203,10 +220,14 @@ def _score_answer(text: str, gold: object) -> float | None:
 def accuracy_reward(completions: list, answer: list[str], **kwargs) -> list[float | None]:
     """1.0 if the completion's final answer equals the `answer` column (math-verify), else 0.0.
 
-    The final answer is taken by `extract_answer`; unparsable, empty or pathological answers score
+    The final answer is taken by `extract_answer` from `final_answer_text` (for a multi-turn
+    completion, the model's last turn: a tool result that holds the number does not count). Where
+    the gold is a plain number, an answer with an operation left in it scores 0.0 ("37 + 45" for 82:
+    math-verify would evaluate it and call it equal, so a policy could learn to restate the
+    question). Unparsable, empty or pathological answers score
     0.0. A row whose `answer` is None or cannot be parsed gets None (does not apply).
     """
-    return [_score_answer(completion_text(c), gold) for c, gold in zip(completions, answer, strict=True)]
+    return [_score_answer(final_answer_text(c), gold) for c, gold in zip(completions, answer, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -233,6 +254,17 @@ def make_format_reward(
     format_reward.__name__ = format_reward.__qualname__ = name
     format_reward.__doc__ = f"1.0 if the completion fully matches {pattern!r}, else 0.0."
     return format_reward
+
+
+def tool_use_reward(completions: list, **kwargs) -> list[float | None]:
+    """1.0 if the completion has a tool message that is not an "Error: ..." (see `grpo_hf.tools`), else 0.0."""
+    return [
+        float(
+            isinstance(c, list)
+            and any(m.get("role") == "tool" and not str(m.get("content")).startswith("Error: ") for m in c)
+        )
+        for c in completions
+    ]
 
 
 def make_overlong_reward(max_completion_length: int, soft_cache: int) -> RewardFunc:

@@ -37,6 +37,9 @@ class Rollout:
     # (B, C) log-probs of the drawn tokens under the sampler's own distribution (after the logits
     # processors, on the generation copy), 0 after the first EOS; None when not recorded.
     sampler_logps: torch.Tensor | None = None
+    # (B, C) 1 on tool-result tokens of a multi-turn completion (in the context, out of the loss);
+    # None for single-turn rollouts.
+    tool_mask: torch.Tensor | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -57,6 +60,16 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict]) 
 def message_text(value: str | list[dict]) -> str:
     """The text of a prompt or completion: a str as is, a chat's last message's content."""
     return value if isinstance(value, str) else value[-1]["content"]
+
+
+def transcript(value: str | list[dict]) -> str:
+    """A completion as one text for logs: a str as is, a one-message chat as its content, a
+    multi-turn chat as its messages, each led by its role."""
+    if isinstance(value, str):
+        return value
+    if len(value) == 1:
+        return value[0]["content"]
+    return "\n".join(f"[{m['role']}] {m['content']}" for m in value)
 
 
 def tokenize_prompts(

@@ -9,8 +9,16 @@
   a random expression over its numbers, kept in the `solution` column, so every problem is solvable.
   Train and test share no (sorted nums, target) pair.
 
-`TASKS` maps a task name to its dataset builder, its training rewards and its held-out accuracy
-reward; recipes pick a task by name.
+- `calculator_dataset`: arithmetic on numbers of three to five digits, which the default model
+  cannot do in its head, with a `calculator` tool: an episode calls the tool and answers with its
+  result. The prompt shows one worked episode (a call, its result, the answer), since a 135M model
+  told about a tool in words alone did not call it once in 64 samples. Rewards: the answer's
+  accuracy, and `tool_use_reward` (a call that returned without error), which gives the early
+  groups, where few episodes are right, something to rank by. Train and test share no (a, op, b)
+  and no mirror of one.
+
+`TASKS` maps a task name to its dataset builder, its training rewards, its held-out accuracy
+reward and its tools (none for single-turn tasks); recipes pick a task by name.
 """
 
 import operator
@@ -20,7 +28,14 @@ from typing import NamedTuple
 
 from datasets import Dataset, DatasetDict
 
-from grpo_hf.rewards import RewardFunc, accuracy_reward, countdown_reward, make_format_reward
+from grpo_hf.rewards import (
+    RewardFunc,
+    accuracy_reward,
+    countdown_reward,
+    evaluate_expression,
+    make_format_reward,
+    tool_use_reward,
+)
 
 # Short, because the default model is tiny (SmolLM2-135M-Instruct) and `accuracy_reward` reads a bare
 # number best.
@@ -144,6 +159,60 @@ def _arithmetic_split(
 
 
 # ---------------------------------------------------------------------------------------------------
+# Arithmetic with a calculator tool
+# ---------------------------------------------------------------------------------------------------
+
+CALCULATOR_SYSTEM_PROMPT = (
+    'You have a calculator tool. To use it, write <tool_call>{"name": "calculator", "arguments": '
+    '{"expression": ...}}</tool_call>. Then answer with just the number.'
+)
+_CALCULATOR_EXAMPLE = [
+    {"role": "user", "content": "What is 1234 * 56?"},
+    {
+        "role": "assistant",
+        "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "1234 * 56"}}</tool_call>',
+    },
+    {"role": "tool", "content": "69104"},
+    {"role": "assistant", "content": "69104"},
+]
+
+
+def calculator(expression: str) -> str:
+    """Evaluates an arithmetic expression exactly.
+
+    Args:
+        expression: Non-negative integers with + - * / and parentheses, e.g. "(12 + 3) * 45".
+    """
+    evaluated = evaluate_expression(expression)
+    if evaluated is None:
+        raise ValueError(f"cannot evaluate {expression!r}; use integers, + - * / and parentheses")
+    value = evaluated[0]
+    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
+def calculator_dataset(
+    num_train: int = 2000,
+    num_test: int = 200,
+    low: int = 100,
+    high: int = 99999,
+    operations: tuple[str, ...] = ("+", "-", "*"),
+    seed: int = 0,
+) -> DatasetDict:
+    """`arithmetic_dataset` questions on larger numbers, each prompt led by the calculator system
+    prompt and one worked tool episode (see the module docstring). Columns `prompt`, `answer`."""
+    data = arithmetic_dataset(num_train, num_test, low, high, operations, seed, system_prompt=None)
+    lead = [{"role": "system", "content": CALCULATOR_SYSTEM_PROMPT}, *_CALCULATOR_EXAMPLE]
+    return DatasetDict(
+        {
+            name: Dataset.from_dict(
+                {"prompt": [lead + p for p in split["prompt"]], "answer": split["answer"]}
+            )
+            for name, split in data.items()
+        }
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
 # Countdown
 # ---------------------------------------------------------------------------------------------------
 
@@ -224,14 +293,17 @@ def _random_solution(rng: random.Random, nums: list[int]) -> tuple[int, str]:
 
 class Task(NamedTuple):
     """A built-in task: `build(num_train=..., num_test=..., seed=...) -> DatasetDict`, the reward
-    functions to train with, and the reward whose mean on the test split is the held-out accuracy."""
+    functions to train with, the reward whose mean on the test split is the held-out accuracy, and
+    the tools episodes may call (empty: single-turn)."""
 
     build: Callable[..., DatasetDict]
     rewards: list[RewardFunc]
     accuracy: RewardFunc
+    tools: list[Callable] = []
 
 
 TASKS: dict[str, Task] = {
     "arithmetic": Task(arithmetic_dataset, [accuracy_reward], accuracy_reward),
     "countdown": Task(countdown_dataset, [countdown_reward, make_format_reward()], countdown_reward),
+    "calculator": Task(calculator_dataset, [accuracy_reward, tool_use_reward], accuracy_reward, [calculator]),
 }

@@ -9,6 +9,8 @@ How one generation round flows through the Trainer's loop:
   the result into `steps_per_generation` micro-batches that the following micro-steps consume.
 - With `dynamic_sampling` (DAPO), groups whose rewards are all equal are replaced by groups from
   extra generation rounds before the advantages are computed (`dynamic_sampling`).
+- With `tools` / `environment_factory` a rollout is a multi-turn episode (`multi_turn`): the
+  model's turns and the tool results between them, the results masked out of the loss.
 - `compute_loss` is per-token log-probs of the completion tokens plus the pure `grpo_loss`.
 The maths lives in `advantages`, `loss` and `logprobs`; this file only orchestrates.
 """
@@ -18,6 +20,7 @@ import logging
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from accelerate.utils import gather_object
@@ -53,6 +56,7 @@ from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.loss import adaptive_beta, grpo_loss, sampler_is_weights
 from grpo_hf.metrics import log_completion_table, round_metrics
 from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
+from grpo_hf.multi_turn import tool_episodes
 from grpo_hf.reference import build_reference, is_peft_model, mix_into_reference, reference_context
 from grpo_hf.scoring import RewardFunc, RewardModel, reward_functions, reward_name, score_completions
 from grpo_hf.sharding import (
@@ -61,6 +65,7 @@ from grpo_hf.sharding import (
     unsharded_for_generation,
     zero3_partitioned,
 )
+from grpo_hf.tools import Toolbox
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +99,15 @@ class GRPOTrainer(Trainer):
         reward_processing_classes: list[PreTrainedTokenizerBase | None] | None = None,
         peft_config: PeftConfig | None = None,
         ref_model: str | PreTrainedModel | None = None,
+        tools: list[Callable] | None = None,
+        environment_factory: Callable[[], object] | None = None,
         **kwargs,
     ):
         args = GRPOConfig(output_dir="outputs/grpo") if args is None else args
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if dataset is not None:
-                check_prompt_dataset(dataset, name)
+                check_prompt_dataset(dataset, name, needs_chat=bool(tools or environment_factory))
+        self.toolbox = Toolbox(tools, environment_factory) if tools or environment_factory else None
         if eval_dataset is not None:
             args.check_eval_batch()
         self.reward_funcs = reward_functions(reward_funcs, reward_processing_classes, args.reward_weights)
@@ -261,11 +269,11 @@ class GRPOTrainer(Trainer):
         result, prompts, completions = scored.result, scored.prompts, scored.completions
         rewards_per_func, seconds = scored.rewards_per_func, scored.seconds
         advantages, rewards = self._advantages(rewards_per_func)
-        loss_mask = (
-            result.completion_mask * (~result.truncated).unsqueeze(1)
-            if args.mask_truncated_completions
-            else result.completion_mask
-        )
+        loss_mask = result.completion_mask  # (B, C)
+        if args.mask_truncated_completions:
+            loss_mask = loss_mask * (~result.truncated).unsqueeze(1)
+        if result.tool_mask is not None:  # tool results: context, not the policy's choice
+            loss_mask = loss_mask * (1 - result.tool_mask)
         self._record_round(
             result, rewards_per_func, rewards, advantages, (scored.errors, scored.retried), seconds
         )
@@ -307,19 +315,24 @@ class GRPOTrainer(Trainer):
         """Generate one completion per row (rows repeat each prompt G times) and score them."""
         args, device = self.args, self.accelerator.device
         prompts = [row["prompt"] for row in rows]
-        prompt_ids, prompt_mask = rollout.tokenize_prompts(
-            self.processing_class,
-            [rollout.render_prompt(self.processing_class, p) for p in prompts],
-            args.max_prompt_length,
-            device,
-        )
-        start = time.perf_counter()
-        result = self.generate_completions(prompt_ids, prompt_mask)
-        seconds = time.perf_counter() - start
-        completions = rollout.decode_completions(
-            self.processing_class, result, chat=not isinstance(prompts[0], str)
-        )
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        start = time.perf_counter()
+        if self.toolbox is not None:
+            result, completions, environments = self._tool_episodes(rows)
+            if environments is not None:
+                columns["environments"] = environments
+        else:
+            prompt_ids, prompt_mask = rollout.tokenize_prompts(
+                self.processing_class,
+                [rollout.render_prompt(self.processing_class, p) for p in prompts],
+                args.max_prompt_length,
+                device,
+            )
+            result = self.generate_completions(prompt_ids, prompt_mask)
+            completions = rollout.decode_completions(
+                self.processing_class, result, chat=not isinstance(prompts[0], str)
+            )
+        seconds = time.perf_counter() - start
         completion_ids = [
             ids[mask.bool()].tolist()
             for ids, mask in zip(result.completion_ids, result.completion_mask, strict=True)
@@ -328,6 +341,34 @@ class GRPOTrainer(Trainer):
             self.reward_funcs, prompts, completions, completion_ids, columns, args.reward_error_policy, device
         )
         return ScoredRound(result, prompts, completions, rewards_per_func, errors, retried, seconds)
+
+    def _tool_episodes(self, rows: list[dict]) -> tuple[rollout.Rollout, list[list[dict]], list | None]:
+        """Multi-turn episodes with the run's tools: rollout, messages, environments (or None)."""
+        args = self.args
+        tools, environments = self.toolbox.for_episodes(rows)
+        result, messages, episodes = tool_episodes(
+            [row["prompt"] for row in rows],
+            tools,
+            self.toolbox.schemas,
+            self.processing_class,
+            self.generate_completions,
+            max_prompt_length=args.max_prompt_length,
+            max_iterations=args.max_tool_calling_iterations,
+            max_completion_length=args.max_completion_length,
+            timeout=args.tool_timeout,
+            device=self.accelerator.device,
+        )
+        self.record(
+            {
+                "tools/calls_per_episode": sum(e.tool_calls for e in episodes) / len(episodes),
+                "tools/failed_calls_per_episode": sum(e.failed_calls for e in episodes) / len(episodes),
+                "tools/turns_per_episode": sum(
+                    sum(m["role"] == "assistant" for m in e.messages) for e in episodes
+                )
+                / len(episodes),
+            }
+        )
+        return result, messages, environments
 
     def _dynamically_sampled(self, first: ScoredRound) -> ScoredRound:
         """DAPO dynamic sampling: this process's share of a batch of groups that teach."""
@@ -391,11 +432,14 @@ class GRPOTrainer(Trainer):
             args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
         )
 
-    def generate_completions(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> rollout.Rollout:
-        """Sample one completion per row. Tests override this to feed fixed completions."""
+    def generate_completions(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
+    ) -> rollout.Rollout:
+        """Sample one completion per row, of at most `max_new_tokens` (default max_completion_length)
+        tokens. Tests override this to feed fixed completions."""
         args = self.args
         config = rollout.generation_config(
-            max_completion_length=args.max_completion_length,
+            max_completion_length=max_new_tokens or args.max_completion_length,
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
@@ -550,7 +594,7 @@ class GRPOTrainer(Trainer):
             {
                 "step": self.state.global_step,
                 "prompt": rollout.message_text(p),
-                "completion": rollout.message_text(c),
+                "completion": rollout.transcript(c),
                 "reward": r,
             }
             for p, c, r in zip(prompts, completions, local_rewards, strict=True)

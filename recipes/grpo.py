@@ -73,9 +73,23 @@ def yaml_to_argv(settings: dict) -> list[str]:
     return argv
 
 
-def evaluate(model, tokenizer, dataset, reward, script: ScriptArguments) -> dict:
-    result = greedy_accuracy(model, tokenizer, dataset, reward, max_new_tokens=script.eval_max_new_tokens)
-    return {"accuracy": result.accuracy, "samples": result.samples}
+def evaluate(model, tokenizer, dataset, task, script: ScriptArguments, args: GRPOConfig) -> dict:
+    """Greedy held-out accuracy; for a task with tools, greedy episodes (tool calls per episode too)."""
+    result = greedy_accuracy(
+        model,
+        tokenizer,
+        dataset,
+        task.accuracy,
+        max_new_tokens=script.eval_max_new_tokens,
+        tools=task.tools,
+        max_tool_calling_iterations=args.max_tool_calling_iterations,
+        tool_timeout=args.tool_timeout,
+    )
+    return {
+        "accuracy": result.accuracy,
+        "samples": result.samples,
+        "tool_calls": result.tool_calls_per_episode,
+    }
 
 
 def main() -> None:
@@ -109,7 +123,7 @@ def train_and_report(script: ScriptArguments, model_args: ModelArguments, args: 
         )
     with unsharded_for_generation(model):  # ZeRO-3 partitions models as they load
         before = (
-            evaluate(model, tokenizer, data["test"], task.accuracy, script) if state.is_main_process else None
+            evaluate(model, tokenizer, data["test"], task, script, args) if state.is_main_process else None
         )
 
     trainer = GRPOTrainer(
@@ -119,6 +133,7 @@ def train_and_report(script: ScriptArguments, model_args: ModelArguments, args: 
         train_dataset=data["train"],
         processing_class=tokenizer,
         peft_config=peft_config,
+        tools=task.tools or None,
     )
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
@@ -129,9 +144,7 @@ def train_and_report(script: ScriptArguments, model_args: ModelArguments, args: 
     # Whole weights on every process, so that the main process can decode alone under FSDP / ZeRO-3.
     with unsharded_for_generation(policy, trainer.accelerator):
         after = (
-            evaluate(policy, tokenizer, data["test"], task.accuracy, script)
-            if state.is_main_process
-            else None
+            evaluate(policy, tokenizer, data["test"], task, script, args) if state.is_main_process else None
         )
     if not state.is_main_process:
         return
@@ -151,6 +164,8 @@ def report(script, args, before, after, train_seconds, steps, plot_path) -> None
         "train_seconds": round(train_seconds, 1),
         "accuracy_before": before["accuracy"],
         "accuracy_after": after["accuracy"],
+        "tool_calls_before": before["tool_calls"],
+        "tool_calls_after": after["tool_calls"],
         "torch_threads": torch.get_num_threads(),
     }
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
@@ -161,6 +176,10 @@ def report(script, args, before, after, train_seconds, steps, plot_path) -> None
     print(
         f"  before: {before['accuracy']:.1%}   after: {after['accuracy']:.1%}   ({steps} steps, {train_seconds:.0f} s)"
     )
+    if before["tool_calls"] is not None:
+        print(
+            f"  tool calls per episode: before {before['tool_calls']:.2f}   after {after['tool_calls']:.2f}"
+        )
     for title, samples in (("before", before["samples"]), ("after", after["samples"])):
         print(f"Sample completions {title} training:")
         for question, completion, reward in samples:

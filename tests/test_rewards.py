@@ -17,6 +17,7 @@ from grpo_hf.rewards import (
     extract_equation,
     make_format_reward,
     make_overlong_reward,
+    tool_use_reward,
 )
 
 
@@ -359,3 +360,47 @@ def test_rewards_never_raise_and_are_binary(text):
         0.0,
         1.0,
     }
+
+
+def test_tool_use_reward_needs_a_tool_result_that_is_not_an_error():
+    call = {"role": "assistant", "content": "<tool_call>...</tool_call>"}
+    completions = [
+        [call, {"role": "tool", "content": "69104"}, {"role": "assistant", "content": "69104"}],
+        [
+            call,
+            {"role": "tool", "content": "Error: unknown tool 'calc'"},
+            {"role": "assistant", "content": "1"},
+        ],
+        [{"role": "assistant", "content": "69104"}],
+        "69104",
+    ]
+    assert tool_use_reward(completions=completions) == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_accuracy_reads_the_last_assistant_turn_not_a_tool_result():
+    episode = [
+        {"role": "assistant", "content": "<tool_call>{}</tool_call>"},
+        {"role": "tool", "content": "42"},
+    ]
+    assert accuracy_reward(completions=[episode], answer=["42"]) == [0.0]
+    assert accuracy_reward(
+        completions=[[*episode, {"role": "assistant", "content": "42"}]], answer=["42"]
+    ) == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("answer_text", "gold", "score"),
+    [
+        ("37 + 45", "82", 0.0),  # the question restated: equal in value, not an answer
+        ("12266 * 80019", str(12266 * 80019), 0.0),
+        ("(3+4)*2", "14", 0.0),
+        ("2 \\times 7", "14", 0.0),
+        ("37 + 45 = 82", "82", 1.0),  # worked, then answered: the last number counts
+        ("-8", "-8", 1.0),
+        ("3/4", "0.75", 1.0),  # a fraction is an answer
+        ("\\frac{1}{2}", "0.5", 1.0),
+        ("x^2+1", "x^2+1", 1.0),  # a symbolic gold keeps its operators
+    ],
+)
+def test_an_unevaluated_expression_is_not_a_numeric_answer(answer_text, gold, score):
+    assert accuracy_reward(completions=[answer_text], answer=[gold]) == [score]

@@ -6,9 +6,12 @@ import pytest
 
 from grpo_hf.rewards import accuracy_reward, countdown_reward, evaluate_expression
 from grpo_hf.tasks import (
+    ARITHMETIC_OPERATIONS,
     ARITHMETIC_SYSTEM_PROMPT,
     TASKS,
     arithmetic_dataset,
+    calculator,
+    calculator_dataset,
     countdown_dataset,
 )
 
@@ -184,8 +187,34 @@ def test_countdown_argument_errors(kwargs, match):
 # --- registry ---------------------------------------------------------------------------------------------------
 
 
+def test_calculator_task_prompts_lead_with_a_worked_episode_and_hold_out_questions():
+    data = calculator_dataset(num_train=40, num_test=10, seed=0)
+    prompt = data["test"][0]["prompt"]
+    assert [m["role"] for m in prompt] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert (
+        prompt[2]["content"]
+        == '<tool_call>{"name": "calculator", "arguments": {"expression": "1234 * 56"}}</tool_call>'
+    )
+    assert prompt[3]["content"] == prompt[4]["content"] == str(1234 * 56)
+    question = re.search(r"(\d+) ([-+*]) \(?(-?\d+)\)?", prompt[-1]["content"])
+    a, op, b = int(question.group(1)), question.group(2), int(question.group(3))
+    assert data["test"][0]["answer"] == str(ARITHMETIC_OPERATIONS[op](a, b))
+    assert 100 <= a <= 99999 and 100 <= b <= 99999
+    train_questions = {row["prompt"][-1]["content"] for row in data["train"]}
+    assert not train_questions & {row["prompt"][-1]["content"] for row in data["test"]}
+
+
+def test_calculator_tool_is_exact_and_refuses_what_it_cannot_evaluate():
+    assert calculator("(12 + 3) * 45") == "675"
+    assert calculator("7 / 2") == "7/2"  # exact, as a fraction
+    assert calculator("68231 * 4417") == str(68231 * 4417)
+    with pytest.raises(ValueError, match="cannot evaluate"):
+        calculator("__import__('os')")
+
+
 def test_tasks_registry():
-    assert set(TASKS) == {"arithmetic", "countdown"}
+    assert set(TASKS) == {"arithmetic", "countdown", "calculator"}
+    assert TASKS["calculator"].tools == [calculator] and TASKS["arithmetic"].tools == []
     arithmetic, countdown = TASKS["arithmetic"], TASKS["countdown"]
     assert arithmetic.rewards == [accuracy_reward] and arithmetic.accuracy is accuracy_reward
     assert [f.__name__ for f in countdown.rewards] == ["countdown_reward", "format_reward"]

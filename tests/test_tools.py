@@ -1,14 +1,30 @@
 """Tool calling pieces: parsing Hermes-format calls, running them, masking tool results."""
 
 import asyncio
+import time
 
 import pytest
+from tiny_models import tiny_tokenizer
 
-from grpo_hf.tools import ToolCall, join_turns, parse_tool_calls, run_tool_calls, tool_registry
+from grpo_hf.tools import (
+    Toolbox,
+    ToolCall,
+    ToolResultRenderer,
+    parse_tool_calls,
+    render_tool_prompt,
+    run_episode_calls,
+    run_tool_calls,
+    tool_registry,
+)
 
 
 def add(a: int, b: int) -> int:
-    """Adds two numbers."""
+    """Adds two numbers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
     return a + b
 
 
@@ -57,7 +73,7 @@ def test_run_tool_calls_gives_one_message_per_call_and_errors_as_text():
         ToolCall("nope", {}),
         ToolCall("", {}, error="the tool call is not valid JSON"),
     ]
-    messages = run_tool_calls(calls, TOOLS)
+    messages = run_tool_calls(calls, TOOLS, timeout=5.0)
     assert [m["role"] for m in messages] == ["tool"] * 6
     assert [m["name"] for m in messages] == ["add", "lookup", "add", "broken", "nope", ""]
     contents = [m["content"] for m in messages]
@@ -76,12 +92,102 @@ def test_tool_registry_rejects_duplicates_and_non_functions():
         tool_registry([3])
 
 
-def test_join_turns_masks_tool_results_out_of_the_loss():
-    # model turn (3 tokens), tool result (2 tokens), model turn (2 tokens)
-    ids, mask = join_turns([([11, 12, 13], True), ([90, 91], False), ([14, 2], True)], max_length=16)
-    assert ids == [11, 12, 13, 90, 91, 14, 2]
-    assert mask == [1, 1, 1, 0, 0, 1, 1]
-    assert join_turns([([11, 12, 13], True), ([90, 91], False), ([14, 2], True)], max_length=4) == (
-        [11, 12, 13, 90],
-        [1, 1, 1, 0],
+def slow(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "woke"
+
+
+def test_a_call_past_the_timeout_becomes_an_error_and_the_next_call_still_runs():
+    calls = [ToolCall("slow", {"seconds": 5.0}), ToolCall("add", {"a": 1, "b": 1})]
+    start = time.perf_counter()
+    messages = run_tool_calls(calls, tool_registry([slow, add]), timeout=0.2)
+    assert time.perf_counter() - start < 4.0  # the sleeping call was abandoned, not awaited
+    assert [m["content"] for m in messages] == ["Error: slow did not return within 0.2 s.", "2"]
+
+
+class Counter:
+    """An environment: its state changes with each call, so the order of calls shows."""
+
+    def __init__(self):
+        self.log = []
+
+    def reset(self, start: int, **kwargs) -> None:
+        self.log = [start]
+
+    def push(self, x: int) -> str:
+        """Appends x.
+
+        Args:
+            x: The value.
+        """
+        self.log.append(x)
+        return str(self.log)
+
+
+def test_episode_calls_run_in_order_within_an_episode_with_each_episodes_tools():
+    box = Toolbox([add], Counter)
+    tools, environments = box.for_episodes([{"prompt": [], "start": 10}, {"prompt": [], "start": 20}])
+    calls = [
+        [ToolCall("push", {"x": 1}), ToolCall("push", {"x": 2}), ToolCall("add", {"a": 2, "b": 2})],
+        [],
+        # the second episode has no call here; its environment stays as reset made it
+    ]
+    results = run_episode_calls(calls, tools, timeout=5.0)
+    assert [m["content"] for m in results[0]] == ["[10, 1]", "[10, 1, 2]", "4"]
+    assert results[1] == []
+    assert environments[0].log == [10, 1, 2] and environments[1].log == [20]
+    assert [s["function"]["name"] for s in box.schemas] == ["add", "push"]
+
+
+def undocumented(x):
+    return x
+
+
+def test_toolbox_rejects_clashing_names_undescribable_tools_and_no_tools():
+    def push(x: int) -> str:
+        """Shadows the environment's method.
+
+        Args:
+            x: The value.
+        """
+        return ""
+
+    with pytest.raises(ValueError, match=r"\['push'\] are both in tools= and methods of the environment"):
+        Toolbox([push], Counter)
+    with pytest.raises(ValueError, match="cannot describe 'undocumented' to the model"):
+        Toolbox([undocumented], None)
+    with pytest.raises(ValueError, match="give no tool"):
+        Toolbox([], lambda: object())
+
+
+def test_tool_results_render_as_the_chat_template_writes_them_after_a_turn_ending_in_eos():
+    tokenizer = tiny_tokenizer()
+    render = ToolResultRenderer(tokenizer)
+    ids = render([{"role": "tool", "name": "add", "content": "5"}])
+    # The template writes "...A<|im_end|>\n"; the model generated up to <|im_end|>, so "\n" comes first.
+    assert tokenizer.decode(ids) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tools_go_into_the_system_message_when_the_template_ignores_them():
+    tokenizer = tiny_tokenizer()  # its template never reads `tools`
+    schemas = Toolbox([add], None).schemas
+    text = render_tool_prompt(tokenizer, [{"role": "user", "content": "2+3?"}], schemas)
+    assert text.startswith("<|im_start|>system\nYou can call these tools:\n<tools>\n{")
+    assert '"name": "add"' in text and "<tool_call>" in text
+    assert text.endswith("<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n")
+    with_system = render_tool_prompt(
+        tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}], schemas
+    )
+    assert with_system.startswith("<|im_start|>system\nBe brief.\n\nYou can call these tools:")
+    # A template that renders `tools` itself gets them as they are.
+    tokenizer.chat_template = (
+        "{% if tools %}{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}{% endif %}"
+    ) + tokenizer.chat_template
+    assert render_tool_prompt(tokenizer, [{"role": "user", "content": "hi"}], schemas).startswith(
+        "[add]<|im_start|>user"
     )

@@ -1,0 +1,189 @@
+"""Multi-turn rollouts with tools: generate a turn, run its tool calls, append the results, go on.
+
+One episode per row. Each turn every unfinished episode is generated on (prompt + everything so
+far), its tool calls (`tools.parse_tool_calls`) run, and the tool messages, rendered as the chat
+template writes them, are appended. An episode ends when a turn calls no tool, when
+`max_iterations` turns have had their calls answered (None: no limit; a call in the turn after
+that is left unanswered), or when its completion, model and tool tokens together, reaches
+`max_completion_length` (then it is truncated, like a single-turn completion without EOS; tool
+results that do not fit are cut).
+
+The completion of an episode is every model turn and tool result in order: tool-result tokens are
+in the attention mask (the model reads them) and in `Rollout.tool_mask`, which the trainer takes
+out of the loss, the KL and the entropy. For the reward functions the completion is the list of
+its messages (assistant turns with their text, tool messages with their results).
+
+Each turn is one generation call over the whole context: the decoder prefills it again rather
+than keeping the previous turn's KV cache (prefill is one batched pass; the decoding steps, one
+per token, dominate a turn's time).
+"""
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from grpo_hf.rollout import Rollout, tokenize_prompts
+from grpo_hf.tools import ToolResultRenderer, parse_tool_calls, render_tool_prompt, run_episode_calls
+
+# (context ids, context mask, max new tokens) -> one turn for every row
+GenerateTurn = Callable[[torch.Tensor, torch.Tensor, int], Rollout]
+
+
+@dataclass
+class Episode:
+    """One row's episode so far."""
+
+    context: list[int]  # prompt and completion tokens so far
+    ids: list[int] = field(default_factory=list)  # completion tokens: model turns and tool results
+    from_tool: list[int] = field(default_factory=list)  # 1 on tool-result tokens
+    sampler_logps: list[float] = field(default_factory=list)  # 0 on tool-result tokens
+    messages: list[dict] = field(default_factory=list)
+    tool_calls: int = 0
+    failed_calls: int = 0
+    truncated: bool = False
+    done: bool = False
+
+    def add(self, tokens: list[int], logps: list[float] | None, tool: bool) -> None:
+        self.ids += tokens
+        self.context += tokens
+        self.from_tool += [int(tool)] * len(tokens)
+        self.sampler_logps += logps if logps is not None else [0.0] * len(tokens)
+
+
+def tool_episodes(
+    prompts: list[list[dict]],
+    tools: list[dict[str, Callable]],
+    schemas: list[dict],
+    tokenizer: PreTrainedTokenizerBase,
+    generate_turn: GenerateTurn,
+    *,
+    max_prompt_length: int | None,
+    max_iterations: int | None,
+    max_completion_length: int,
+    timeout: float,
+    device: torch.device,
+) -> tuple[Rollout, list[list[dict]], list[Episode]]:
+    """Chat prompts with their tools described (`tools.render_tool_prompt`), then `run_episodes`."""
+    texts = [render_tool_prompt(tokenizer, prompt, schemas) for prompt in prompts]
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, texts, max_prompt_length, device)
+    return run_episodes(
+        prompt_ids,
+        prompt_mask,
+        generate_turn,
+        tokenizer,
+        tools,
+        max_iterations=max_iterations,
+        max_completion_length=max_completion_length,
+        timeout=timeout,
+    )
+
+
+def run_episodes(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    generate_turn: GenerateTurn,
+    tokenizer: PreTrainedTokenizerBase,
+    tools: list[dict[str, Callable]],
+    *,
+    max_iterations: int | None,
+    max_completion_length: int,
+    timeout: float,
+) -> tuple[Rollout, list[list[dict]], list[Episode]]:
+    """Episodes for (B, P) left-padded prompts; `tools[i]` are row i's tools by name.
+
+    Returns the rollout (completions right-padded, with `tool_mask`), each episode's messages, and
+    the episodes (their tool-call counts).
+    """
+    render = ToolResultRenderer(tokenizer)
+    episodes = [Episode(ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+    for turn in itertools.count():
+        active = [i for i, episode in enumerate(episodes) if not episode.done]
+        if not active:
+            break
+        budgets = [max_completion_length - len(episodes[i].ids) for i in active]
+        ids, mask = _left_padded(
+            [episodes[i].context for i in active], tokenizer.pad_token_id, prompt_ids.device
+        )
+        result = generate_turn(ids, mask, max(budgets))
+        calls = []
+        for row, (i, budget) in enumerate(zip(active, budgets, strict=True)):
+            calls.append(_take_turn(episodes[i], result, row, budget, tokenizer, last=turn == max_iterations))
+        messages = run_episode_calls(calls, [tools[i] for i in active], timeout)
+        for i, turn_calls, tool_messages in zip(active, calls, messages, strict=True):
+            if turn_calls:
+                _add_tool_results(episodes[i], tool_messages, render, max_completion_length)
+    return (
+        _as_rollout(prompt_ids, prompt_mask, episodes, tokenizer.pad_token_id),
+        [e.messages for e in episodes],
+        episodes,
+    )
+
+
+def _take_turn(
+    episode: Episode, result: Rollout, row: int, budget: int, tokenizer: PreTrainedTokenizerBase, last: bool
+) -> list:
+    """Append row `row` of a generated turn to the episode; return the tool calls to answer."""
+    length = int(result.completion_mask[row].sum())
+    cut = length > budget
+    length = min(length, budget)
+    tokens = result.completion_ids[row, :length].tolist()
+    logps = None if result.sampler_logps is None else result.sampler_logps[row, :length].tolist()
+    episode.add(tokens, logps, tool=False)
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    episode.messages.append({"role": "assistant", "content": text})
+    if cut or bool(result.truncated[row]):
+        episode.truncated = episode.done = True
+        return []
+    calls = parse_tool_calls(text)
+    episode.tool_calls += len(calls)
+    if not calls or last or length == budget:  # nothing to answer, no turn left, or no room left
+        episode.done = True
+        return []
+    return calls
+
+
+def _add_tool_results(
+    episode: Episode, messages: list[dict], render: ToolResultRenderer, max_completion_length: int
+) -> None:
+    """Append the tool messages (cut to the completion budget) and count the failed calls."""
+    episode.failed_calls += sum(m["content"].startswith("Error: ") for m in messages)
+    episode.messages += messages
+    tokens = render(messages)
+    room = max_completion_length - len(episode.ids)
+    episode.add(tokens[:room], None, tool=True)
+    if len(tokens) >= room:  # no room left for the model to answer
+        episode.truncated = episode.done = True
+
+
+def _left_padded(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _as_rollout(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, episodes: list[Episode], pad: int
+) -> Rollout:
+    width = max(1, max(len(e.ids) for e in episodes))
+
+    def padded(values: list[list], fill, dtype) -> torch.Tensor:
+        return torch.tensor(
+            [v + [fill] * (width - len(v)) for v in values], dtype=dtype, device=prompt_ids.device
+        )
+
+    return Rollout(
+        prompt_ids,
+        prompt_mask,
+        completion_ids=padded([e.ids for e in episodes], pad, torch.long),  # (B, C)
+        completion_mask=padded([[1] * len(e.ids) for e in episodes], 0, torch.long),  # (B, C)
+        truncated=torch.tensor([e.truncated for e in episodes], device=prompt_ids.device),  # (B,)
+        sampler_logps=padded([e.sampler_logps for e in episodes], 0.0, torch.float32),  # (B, C)
+        tool_mask=padded([e.from_tool for e in episodes], 0, torch.long),  # (B, C)
+    )
