@@ -14,10 +14,15 @@ from transformers import AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_recipe(output_dir: Path, *flags: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run_recipe(
+    output_dir: Path,
+    *flags: str,
+    launcher: tuple[str, ...] = (),
+    config: str = "smollm2_lora_arithmetic.yaml",
+) -> subprocess.CompletedProcess:
     command = [
         sys.executable, *launcher, str(ROOT / "recipes" / "grpo.py"),
-        "--config", str(ROOT / "recipes" / "configs" / "smollm2_lora_arithmetic.yaml"),
+        "--config", str(ROOT / "recipes" / "configs" / config),
         "--output_dir", str(output_dir), "--report_to", "none", "--max_steps", "2", "--save_steps", "1",
         "--num_train", "16", "--num_test", "4", "--per_device_train_batch_size", "4", "--num_generations", "2",
         "--max_completion_length", "4", "--eval_max_new_tokens", "4", "--log_completions", "false",
@@ -45,6 +50,19 @@ def test_recipe_trains_evaluates_plots_and_saves(tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert merged.config.model_type == "llama"
     assert not any("lora" in name for name, _ in merged.named_parameters())
+
+
+@pytest.mark.slow
+def test_recipe_runs_the_tool_task_in_episodes(tmp_path):
+    done = run_recipe(
+        tmp_path, "--max_steps", "1", "--max_completion_length", "24", "--eval_max_new_tokens", "24",
+        config="smollm2_lora_calculator.yaml",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["task"] == "calculator" and results["steps"] == 1
+    assert results["tool_calls_before"] >= 0.0 and results["tool_calls_after"] >= 0.0
+    assert "tool calls per episode: before" in done.stdout
 
 
 @pytest.mark.slow
