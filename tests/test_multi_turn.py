@@ -265,3 +265,22 @@ def test_tools_need_chat_prompts_and_a_free_environments_column(tmp_path):
         GRPOTrainer(
             tiny_llama(), balance_reward, args, chat, processing_class=TOKENIZER, environment_factory=Ledger
         )
+
+
+def test_dynamic_sampling_keeps_the_tool_mask_of_the_rows_it_keeps(tmp_path):
+    # Every group's episodes score alike, so each extra round is dropped too and the batch is filled
+    # from stacked rounds: the tool mask must follow the rows through stacking and selection.
+    prompts = [[{"role": "user", "content": f"row{i}: deposit"}] for i in range(2)]
+    dataset = Dataset.from_dict({"prompt": prompts, "start": [100, 200]})
+    args = make_config(
+        tmp_path, max_completion_length=128, beta=0.0, dynamic_sampling=True, max_dynamic_sampling_rounds=2
+    )
+    trainer = ScriptedTrainer(
+        tiny_llama(), balance_reward, args, dataset, processing_class=TOKENIZER, environment_factory=Ledger
+    )
+    trainer.model.train()
+    [batch] = trainer._generate_and_score([dataset[0]] * 4 + [dataset[1]] * 4)
+    single = trainer._sample_and_score([dataset[0]]).result
+    model_tokens = int((single.completion_mask - single.tool_mask).sum())
+    assert batch["completion_mask"].sum(dim=1).tolist()[0] == model_tokens
+    assert trainer._metrics["train"]["dynamic_sampling/extra_rounds"] == [2.0]
