@@ -69,7 +69,7 @@ def test_recipe_runs_the_tool_task_in_episodes(tmp_path):
 def test_recipe_rejects_an_unknown_task_before_loading_the_model(tmp_path):
     done = run_recipe(tmp_path, "--task", "chess")
     assert done.returncode != 0
-    assert "task='chess' is not one of ['arithmetic', 'countdown']" in done.stderr
+    assert "task='chess' is not one of ['arithmetic', 'calculator', 'countdown']" in done.stderr
     assert not (tmp_path / "results.json").exists()
 
 
