@@ -1,7 +1,11 @@
-"""What a generation round logs: its metrics from tensors gathered over every process, and the
-completion table (printed, and sent to wandb when it is a reporter)."""
+"""What training logs: a generation round's metrics from tensors gathered over every process, the
+metrics of a logging interval and their reduction over processes, and the completion table
+(printed, and sent to wandb when it is a reporter)."""
+
+from collections import defaultdict
 
 import torch
+from accelerate import Accelerator
 
 from grpo_hf.advantages import group_std_is_zero
 
@@ -37,6 +41,67 @@ def round_metrics(
     for i, name in enumerate(reward_names):
         values[f"reward/{name}"] = rewards_per_func[:, i].nanmean().item()
     return values
+
+
+# Logged as counts per logging interval (the same on every process), not as means of their records.
+COUNTED_METRICS = frozenset({"nonfinite_steps_skipped"})
+# Logged as the largest record of the interval over every process.
+MAXED_METRICS = frozenset({"sampler/ratio_max"})
+
+
+class IntervalMetrics:
+    """The metric records of the current logging interval, for "train" and "eval" apart.
+
+    `reduce` turns one mode's records into logged values and clears them: each metric is the mean
+    of its records over the interval and the processes, except the counts in COUNTED_METRICS
+    (summed over the interval), the maxima in MAXED_METRICS, and token means (`record_token_means`:
+    kl, entropy, clip_ratio/*, sampler/ratio_mean), means over every token of the interval on every
+    process rather than means of per-micro-batch means.
+    """
+
+    def __init__(self):
+        self.values: dict[str, dict[str, list[float]]] = {
+            "train": defaultdict(list),
+            "eval": defaultdict(list),
+        }
+        self.token_sums: dict[str, dict[str, list[float]]] = {"train": {}, "eval": {}}  # key: [sum, tokens]
+
+    def record(self, mode: str, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.values[mode][key].append(value)
+
+    def record_token_means(self, mode: str, means: dict[str, float], tokens: float) -> None:
+        sums = self.token_sums[mode]
+        for key, mean in means.items():
+            total = sums.setdefault(key, [0.0, 0.0])
+            total[0] += mean * tokens
+            total[1] += tokens
+
+    def reduce(self, mode: str, accelerator: Accelerator) -> dict[str, float]:
+        """The mode's logged values (the same on every process); every process must call it."""
+        out: dict[str, float] = {}
+        records = self.values[mode]
+        maxed = sorted(records.keys() & MAXED_METRICS)
+        if maxed:
+            local = torch.tensor([max(records.pop(k)) for k in maxed], device=accelerator.device)
+            largest = accelerator.gather(local).view(-1, len(maxed)).max(dim=0).values.tolist()
+            out.update(zip(maxed, largest, strict=True))
+        if records:
+            keys = sorted(records)
+            local = torch.tensor(
+                [sum(records[k]) / (1 if k in COUNTED_METRICS else len(records[k])) for k in keys],
+                device=accelerator.device,
+            )
+            out.update(zip(keys, accelerator.reduce(local, "mean").tolist(), strict=True))
+            records.clear()
+        sums = self.token_sums[mode]
+        if sums:
+            keys = sorted(sums)
+            local = torch.tensor([sums[k] for k in keys], device=accelerator.device)  # (K, 2)
+            totals = accelerator.reduce(local, "sum").tolist()  # (K, 2): token sum, tokens
+            out.update({k: s / n if n > 0 else 0.0 for k, (s, n) in zip(keys, totals, strict=True)})
+            sums.clear()
+        return out
 
 
 def log_completion_table(rows: list[dict], report_to: list[str], step: int) -> None:

@@ -122,6 +122,16 @@ def run_episodes(
     )
 
 
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Tool calls, failed calls and model turns per episode, means over `episodes`."""
+    n = len(episodes)
+    return {
+        "tools/calls_per_episode": sum(e.tool_calls for e in episodes) / n,
+        "tools/failed_calls_per_episode": sum(e.failed_calls for e in episodes) / n,
+        "tools/turns_per_episode": sum(m["role"] == "assistant" for e in episodes for m in e.messages) / n,
+    }
+
+
 def _take_turn(
     episode: Episode, result: Rollout, row: int, budget: int, tokenizer: PreTrainedTokenizerBase, last: bool
 ) -> list:

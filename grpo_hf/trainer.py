@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import time
-from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -54,9 +53,9 @@ from grpo_hf.engine import native_bf16
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.loss import adaptive_beta, grpo_loss, sampler_is_weights
-from grpo_hf.metrics import log_completion_table, round_metrics
+from grpo_hf.metrics import IntervalMetrics, log_completion_table, round_metrics
 from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
-from grpo_hf.multi_turn import tool_episodes
+from grpo_hf.multi_turn import episode_metrics, tool_episodes
 from grpo_hf.reference import build_reference, is_peft_model, mix_into_reference, reference_context
 from grpo_hf.scoring import RewardFunc, RewardModel, reward_functions, reward_name, score_completions
 from grpo_hf.sharding import (
@@ -68,11 +67,6 @@ from grpo_hf.sharding import (
 from grpo_hf.tools import Toolbox
 
 logger = logging.getLogger(__name__)
-
-# Logged as counts per logging interval (the same on every process), not as means of their records.
-COUNTED_METRICS = frozenset({"nonfinite_steps_skipped"})
-# Logged as the largest record of the interval over every process.
-MAXED_METRICS = frozenset({"sampler/ratio_max"})
 
 
 class _ReferenceSync(TrainerCallback):
@@ -154,11 +148,7 @@ class GRPOTrainer(Trainer):
         self._buffer: list[dict] = []
         self._extra_prompts = 0  # position in dynamic sampling's extra prompt stream (checkpointed)
         self._round_kl: list[float] = []
-        self._metrics: dict[str, dict[str, list[float]]] = {
-            "train": defaultdict(list),
-            "eval": defaultdict(list),
-        }
-        self._token_sums: dict[str, dict[str, list[float]]] = {"train": {}, "eval": {}}  # key: [sum, tokens]
+        self.metrics = IntervalMetrics()
         self._completion_rows: list[dict] = []
         self.add_callback(NonFiniteGuard(self.record))
         self.add_callback(_ReferenceSync(self))
@@ -358,16 +348,7 @@ class GRPOTrainer(Trainer):
             timeout=args.tool_timeout,
             device=self.accelerator.device,
         )
-        self.record(
-            {
-                "tools/calls_per_episode": sum(e.tool_calls for e in episodes) / len(episodes),
-                "tools/failed_calls_per_episode": sum(e.failed_calls for e in episodes) / len(episodes),
-                "tools/turns_per_episode": sum(
-                    sum(m["role"] == "assistant" for m in e.messages) for e in episodes
-                )
-                / len(episodes),
-            }
-        )
+        self.record(episode_metrics(episodes))
         return result, messages, environments
 
     def _dynamically_sampled(self, first: ScoredRound) -> ScoredRound:
@@ -548,19 +529,12 @@ class GRPOTrainer(Trainer):
     # ---- Metrics ------------------------------------------------------------------------------
 
     def record(self, values: dict[str, float]) -> None:
-        """Add metric values to the current logging interval."""
-        mode = "train" if self.model.training else "eval"
-        for key, value in values.items():
-            self._metrics[mode][key].append(value)
+        """Add metric values to the current logging interval (see `metrics.IntervalMetrics`)."""
+        self.metrics.record("train" if self.model.training else "eval", values)
 
     def record_token_means(self, means: dict[str, float], tokens: float) -> None:
-        """Add per-token means over `tokens` active tokens; logged as means over every token of the
-        logging interval on every process (not as means of per-micro-batch means)."""
-        sums = self._token_sums["train" if self.model.training else "eval"]
-        for key, mean in means.items():
-            total = sums.setdefault(key, [0.0, 0.0])
-            total[0] += mean * tokens
-            total[1] += tokens
+        """Add per-token means over `tokens` active tokens, logged as means over every token."""
+        self.metrics.record_token_means("train" if self.model.training else "eval", means, tokens)
 
     def _record_round(self, result, rewards_per_func, rewards, advantages, error_counts, seconds) -> None:
         gather = self.accelerator.gather
@@ -602,34 +576,10 @@ class GRPOTrainer(Trainer):
         self._completion_rows = gather_object(rows)[: self.args.num_completions_to_print]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the interval's GRPO metrics, then log as usual: each is averaged over the interval's
-        records and the processes, except the counts in COUNTED_METRICS, summed over the interval,
-        the maxima in MAXED_METRICS, and the token means (kl, entropy, clip_ratio/*,
-        sampler/ratio_mean), means over every token of the interval."""
+        """Add the interval's GRPO metrics (`metrics.IntervalMetrics.reduce`), then log as usual."""
         mode = "train" if self.model.training else "eval"
         prefix = "eval_" if mode == "eval" else ""
-        metrics = self._metrics[mode]
-        if metrics:
-            maxed = sorted(metrics.keys() & MAXED_METRICS)
-            if maxed:
-                local = torch.tensor([max(metrics.pop(k)) for k in maxed], device=self.accelerator.device)
-                largest = self.accelerator.gather(local).view(-1, len(maxed)).max(dim=0).values.tolist()
-                logs.update({prefix + k: v for k, v in zip(maxed, largest, strict=True)})
-            keys = sorted(metrics)
-            local = torch.tensor(
-                [sum(metrics[k]) / (1 if k in COUNTED_METRICS else len(metrics[k])) for k in keys],
-                device=self.accelerator.device,
-            )
-            averaged = self.accelerator.reduce(local, "mean").tolist()
-            logs.update({prefix + k: v for k, v in zip(keys, averaged, strict=True)})
-            metrics.clear()
-        sums = self._token_sums[mode]
-        if sums:
-            keys = sorted(sums)
-            local = torch.tensor([sums[k] for k in keys], device=self.accelerator.device)  # (K, 2)
-            totals = self.accelerator.reduce(local, "sum").tolist()  # (K, 2): token sum, tokens
-            logs.update({prefix + k: s / n if n > 0 else 0.0 for k, (s, n) in zip(keys, totals, strict=True)})
-            sums.clear()
+        logs.update({prefix + k: v for k, v in self.metrics.reduce(mode, self.accelerator).items()})
         super().log(logs, start_time)
         if self._completion_rows and self.is_world_process_zero():
             log_completion_table(self._completion_rows, self.args.report_to, self.state.global_step)

@@ -283,4 +283,4 @@ def test_dynamic_sampling_keeps_the_tool_mask_of_the_rows_it_keeps(tmp_path):
     single = trainer._sample_and_score([dataset[0]]).result
     model_tokens = int((single.completion_mask - single.tool_mask).sum())
     assert batch["completion_mask"].sum(dim=1).tolist()[0] == model_tokens
-    assert trainer._metrics["train"]["dynamic_sampling/extra_rounds"] == [2.0]
+    assert trainer.metrics.values["train"]["dynamic_sampling/extra_rounds"] == [2.0]

@@ -126,7 +126,7 @@ def test_a_raising_reward_names_the_function_and_the_completion(tmp_path):
 def test_reward_error_policy_zero_scores_0_and_counts(tmp_path):
     trainer = build(tmp_path, reward_funcs=picky_reward, reward_error_policy="zero")
     first_round(trainer)
-    assert trainer._metrics["train"]["reward_errors"] == [2.0]  # row 1 of each of the 2 groups
+    assert trainer.metrics.values["train"]["reward_errors"] == [2.0]  # row 1 of each of the 2 groups
 
 
 class NaNLoss(FixedCompletionsTrainer):

@@ -38,7 +38,7 @@ def test_a_reward_model_scores_with_its_first_logit_and_is_logged_by_name(tmp_pa
         processing_class=tiny_tokenizer(),
     )
     batch = first_round(trainer)
-    logged = trainer._metrics["train"]
+    logged = trainer.metrics.values["train"]
     # The rewards are the model's first logit on the chat-rendered prompt + completion, computed
     # here one unpadded row at a time (score_with_model pads a batch and must agree).
     width = batch["completion_mask"].shape[1]
