@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from grpo_hf.rollout import Rollout, tokenize_prompts
+from grpo_hf.rollout import Rollout, left_padded, tokenize_prompts
 from grpo_hf.tools import ToolResultRenderer, parse_tool_calls, render_tool_prompt, run_episode_calls
 
 # (context ids, context mask, max new tokens) -> one turn for every row
@@ -104,7 +104,7 @@ def run_episodes(
         if not active:
             break
         budgets = [max_completion_length - len(episodes[i].ids) for i in active]
-        ids, mask = _left_padded(
+        ids, mask = left_padded(
             [episodes[i].context for i in active], tokenizer.pad_token_id, prompt_ids.device
         )
         result = generate_turn(ids, mask, max(budgets))
@@ -166,16 +166,6 @@ def _add_tool_results(
     episode.add(tokens[:room], None, tool=True)
     if len(tokens) >= room:  # no room left for the model to answer
         episode.truncated = episode.done = True
-
-
-def _left_padded(rows: list[list[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def _as_rollout(

@@ -94,10 +94,17 @@ def tokenize_prompts(
             max_prompt_length,
         )
         encoded = [ids[-max_prompt_length:] for ids in encoded]
-    width = max(len(ids) for ids in encoded)
-    ids = torch.full((len(encoded), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(encoded), width), dtype=torch.long)
-    for row, tokens in enumerate(encoded):
+    return left_padded(encoded, tokenizer.pad_token_id, device)
+
+
+def left_padded(
+    rows: list[list[int]], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as (B, W) ids left-padded with `pad_token_id` and their (B, W) mask."""
+    width = max(len(tokens) for tokens in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, tokens in enumerate(rows):
         if tokens:
             ids[row, width - len(tokens) :] = torch.tensor(tokens)
             mask[row, width - len(tokens) :] = 1
