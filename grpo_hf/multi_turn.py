@@ -26,7 +26,13 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from grpo_hf.rollout import Rollout, left_padded, tokenize_prompts
-from grpo_hf.tools import ToolResultRenderer, parse_tool_calls, render_tool_prompt, run_episode_calls
+from grpo_hf.tools import (
+    ToolResultRenderer,
+    is_tool_error,
+    parse_tool_calls,
+    render_tool_prompt,
+    run_episode_calls,
+)
 
 # (context ids, context mask, max new tokens) -> one turn for every row
 GenerateTurn = Callable[[torch.Tensor, torch.Tensor, int], Rollout]
@@ -159,7 +165,7 @@ def _add_tool_results(
     episode: Episode, messages: list[dict], render: ToolResultRenderer, max_completion_length: int
 ) -> None:
     """Append the tool messages (cut to the completion budget) and count the failed calls."""
-    episode.failed_calls += sum(m["content"].startswith("Error: ") for m in messages)
+    episode.failed_calls += sum(is_tool_error(m) for m in messages)
     episode.messages += messages
     tokens = render(messages)
     room = max_completion_length - len(episode.ids)

@@ -39,6 +39,8 @@ from fractions import Fraction
 
 from math_verify import parse, verify
 
+from grpo_hf.tools import is_tool_error
+
 RewardFunc = Callable[..., list[float | None]]
 
 
@@ -257,12 +259,9 @@ def make_format_reward(
 
 
 def tool_use_reward(completions: list, **kwargs) -> list[float | None]:
-    """1.0 if the completion has a tool message that is not an "Error: ..." (see `grpo_hf.tools`), else 0.0."""
+    """1.0 if the completion has a tool message that is not an error (`tools.is_tool_error`), else 0.0."""
     return [
-        float(
-            isinstance(c, list)
-            and any(m.get("role") == "tool" and not str(m.get("content")).startswith("Error: ") for m in c)
-        )
+        float(isinstance(c, list) and any(m.get("role") == "tool" and not is_tool_error(m) for m in c))
         for c in completions
     ]
 

@@ -188,6 +188,11 @@ def run_tool_calls(calls: list[ToolCall], tools: dict[str, Callable], timeout: f
     ]
 
 
+def is_tool_error(message: dict) -> bool:
+    """Whether a tool message reports a failed call (the "Error: ..." messages of `run_tool_calls`)."""
+    return str(message.get("content")).startswith("Error: ")
+
+
 def run_episode_calls(
     calls: list[list[ToolCall]], tools: list[dict[str, Callable]], timeout: float
 ) -> list[list[dict]]:
