@@ -254,7 +254,12 @@ def _decode(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampling loop; returns (B, C) new tokens, C <= max_new_tokens, and their (B, C) float32
-    log-probs under the distribution they were drawn from (free here: the scores are at hand)."""
+    log-probs under the distribution they were drawn from (free here: the scores are at hand).
+
+    A row that has drawn an EOS leaves the decoder (`keep`): later steps run only the rows still
+    going, so a round costs what its completions' lengths add up to rather than rows times the
+    longest. Its later columns hold `pad_token_id` and log-prob 0.
+    """
     decoder = decoder_for(model, config.max_new_tokens, backend)
     logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
     processors = logits_processors(config)
@@ -262,21 +267,26 @@ def _decode(
         config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id],
         device=prompt_ids.device,
     )
-    sequence = prompt_ids
-    done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
-    new_tokens, new_logps = [], []
+    rows, device = prompt_ids.shape[0], prompt_ids.device
+    new_tokens = torch.full(
+        (rows, config.max_new_tokens), config.pad_token_id, dtype=torch.long, device=device
+    )
+    new_logps = torch.zeros((rows, config.max_new_tokens), device=device)
+    going = torch.arange(rows, device=device)  # the decoder's rows, as rows of the batch
+    sequence = prompt_ids  # (R, P + t) of the rows still going
     for step in range(config.max_new_tokens):
-        scores = processors(sequence, logits)  # (B, V)
-        if config.do_sample:
-            token = sample_tokens(scores)  # (B,)
-        else:
-            token = scores.argmax(dim=-1)  # (B,)
-        token = token.masked_fill(done, config.pad_token_id)
-        new_logps.append(torch.log_softmax(scores.float(), dim=-1).gather(1, token.unsqueeze(1)).squeeze(1))
-        new_tokens.append(token)
-        done = done | torch.isin(token, eos)
-        if done.all() or step + 1 == config.max_new_tokens:
+        scores = processors(sequence, logits)  # (R, V)
+        token = sample_tokens(scores) if config.do_sample else scores.argmax(dim=-1)  # (R,)
+        new_tokens[going, step] = token
+        new_logps[going, step] = (
+            torch.log_softmax(scores.float(), dim=-1).gather(1, token.unsqueeze(1)).squeeze(1)
+        )
+        open_rows = (~torch.isin(token, eos)).nonzero().squeeze(1)  # (R',)
+        if open_rows.numel() == 0 or step + 1 == config.max_new_tokens:
             break
-        sequence = torch.cat([sequence, token.unsqueeze(1)], dim=1)  # (B, P + t)
-        logits = decoder(token)  # (B, V)
-    return torch.stack(new_tokens, dim=1), torch.stack(new_logps, dim=1)  # (B, C), (B, C)
+        if open_rows.numel() < going.numel():
+            decoder.keep(open_rows)
+            going, sequence, token = going[open_rows], sequence[open_rows], token[open_rows]
+        sequence = torch.cat([sequence, token.unsqueeze(1)], dim=1)  # (R', P + t)
+        logits = decoder(token)  # (R', V)
+    return new_tokens[:, : step + 1], new_logps[:, : step + 1]  # (B, C), (B, C)

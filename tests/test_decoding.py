@@ -72,6 +72,25 @@ def test_llama_decoder_gives_the_models_logits_at_every_step(build, matmuls):
         torch.testing.assert_close(ours(token), theirs(token), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", [LlamaDecoder, TransformersDecoder], ids=["llama", "transformers"])
+@torch.no_grad()
+def test_rows_kept_decode_as_they_would_have_in_the_whole_batch(kind, matmuls):
+    """After `keep([3, 1])` the decoder's rows are the batch's rows 3 and 1, their caches and
+    positions intact (rows 3 and 1 have different prompt lengths), the others gone."""
+    model = llama_with_rope_scaling().eval()
+    ids, mask = prompts()
+    whole, kept = [kind(model, 8) if kind is LlamaDecoder else kind(model) for _ in range(2)]
+    torch.testing.assert_close(whole.prefill(ids, mask), kept.prefill(ids, mask), rtol=0, atol=0)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(7):
+        token = torch.randint(3, 259, (4,), generator=generator)
+        expected = whole(token)
+        if step == 2:
+            kept.keep(torch.tensor([3, 1]))
+        got = kept(token if step < 2 else token[[3, 1]])
+        torch.testing.assert_close(got, expected if step < 2 else expected[[3, 1]], rtol=1e-5, atol=1e-5)
+
+
 @torch.no_grad()
 def test_llama_decoder_in_bf16_rounds_where_transformers_does(matmuls):
     """bf16: every step's largest logit gap to transformers' forward stays within a few bf16 ulps.

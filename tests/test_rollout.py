@@ -33,6 +33,53 @@ def test_greedy_decode_matches_model_generate(build):
     assert torch.equal(ours.completion_ids, reference.masked_fill(reference_mask == 0, 0)[:, :width])
 
 
+class ScriptedDecoder:
+    """Row r of the batch draws token 3 until its step `lengths[r] - 1`, then EOS (2), greedily.
+
+    It knows which batch rows it is serving only through `keep`, so rows mixed up there would
+    draw the wrong tokens; `rows_per_call` records the rows of every call.
+    """
+
+    def __init__(self, lengths: list[int]):
+        self.lengths, self.serving, self.step, self.rows_per_call = torch.tensor(lengths), None, 0, []
+
+    def logits(self) -> torch.Tensor:
+        ends = self.lengths[self.serving] - 1 == self.step  # (R,)
+        self.rows_per_call.append(len(self.serving))
+        return 100.0 * torch.nn.functional.one_hot(torch.where(ends, 2, 3), 5).float()  # (R, 5)
+
+    def prefill(self, prompt_ids, prompt_mask):
+        self.serving = torch.arange(prompt_ids.shape[0])
+        return self.logits()
+
+    def __call__(self, token):
+        assert (token == 3).all()  # only rows still going are fed
+        self.step += 1
+        return self.logits()
+
+    def keep(self, rows):
+        self.serving = self.serving[rows]
+
+
+def test_rows_that_drew_eos_leave_the_decoder(monkeypatch):
+    decoder = ScriptedDecoder([5, 2, 4, 2, 6])
+    monkeypatch.setattr(rollout, "decoder_for", lambda *args: decoder)
+    ids = torch.ones(5, 3, dtype=torch.long)
+    config = GenerationConfig(do_sample=False, max_new_tokens=8, pad_token_id=0, eos_token_id=[2])
+    result = rollout.generate(torch.nn.Linear(1, 1), ids, torch.ones_like(ids), config)
+    assert decoder.rows_per_call == [5, 5, 3, 3, 2, 1]  # prefill, then steps 1..5
+    assert result.completion_ids.tolist() == [
+        [3, 3, 3, 3, 2, 0],
+        [3, 2, 0, 0, 0, 0],
+        [3, 3, 3, 2, 0, 0],
+        [3, 2, 0, 0, 0, 0],
+        [3, 3, 3, 3, 3, 2],
+    ]
+    assert result.completion_mask.sum(1).tolist() == [5, 2, 4, 2, 6]
+    assert (result.sampler_logps == 0).all()  # each drawn token had probability 1 (to float32)
+    assert not result.truncated.any()
+
+
 @pytest.mark.parametrize("block", [2, 3, 256], ids=["block-2", "block-3", "one-block"])
 def test_sample_tokens_follows_the_softmax(block):
     torch.manual_seed(0)

@@ -56,6 +56,11 @@ class TransformersDecoder:
         self.position = self.position + 1
         return out.logits[:, -1].float()  # (B, V)
 
+    def keep(self, rows: torch.Tensor) -> None:
+        """Go on decoding only `rows` (indices into the current rows), in that order."""
+        self.cache.reorder_cache(rows)
+        self.attention, self.position = self.attention[rows], self.position[rows]
+
 
 def is_plain_llama(model: nn.Module) -> bool:
     """A transformers Llama whose computation `LlamaDecoder` reproduces, with whole local weights."""
@@ -228,6 +233,20 @@ class LlamaDecoder:
             hidden = _feed_forward(hidden + out_proj(attention), norm_post, gate_up, down, self.eps)
         self.step += 1
         return self.lm_head(_rms_norm(hidden, self.final_norm, self.eps)).float()  # (B, V)
+
+    @torch.inference_mode()
+    def keep(self, rows: torch.Tensor) -> None:
+        """Go on decoding only `rows` (indices into the current rows), in that order.
+
+        Each layer's cache is copied up to the columns written so far; the rest is never read
+        before it is written.
+        """
+        written = self.prompt_length + self.step
+        for cache in (self.keys, self.values):
+            for i, old in enumerate(cache):
+                cache[i] = old.new_empty((len(rows), *old.shape[1:]))
+                cache[i][:, :, :written] = old[rows, :, :written]
+        self.mask, self.cos, self.signed_sin = self.mask[rows], self.cos[rows], self.signed_sin[rows]
 
 
 DECODERS = ("auto", "llama", "transformers")
