@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from grpo_hf.engine.cpu import native_bf16
 
@@ -93,3 +94,34 @@ def test_memory_bench_runs_our_side_with_and_without_checkpointing(tmp_path):
         assert result["gradient_checkpointing"] == name.endswith("-gc")
         assert result["peak_rss_mb"] > 100  # a 135M-parameter model
         assert 1 <= result["mean_completion_length"] <= 4 and result["completions_per_step"] == 2
+
+
+def test_breakdown_counts_each_matmul_in_its_phase():
+    """bench/breakdown.py: FLOPs from recorded shapes, attributed to the enclosing phase scope."""
+    spec = importlib.util.spec_from_file_location("bench_breakdown", ROOT / "bench" / "breakdown.py")
+    breakdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(breakdown)
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    a, b, x, y = torch.randn(8, 4), torch.randn(4, 6), torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with record_function("generation"):
+            a @ b
+        with record_function("backward"):
+            torch.bmm(x, y)
+            torch.addmm(torch.zeros(6), a, b)
+        a @ b  # outside every phase
+    phases = breakdown.breakdown(prof, step_seconds=10.0)
+    assert phases["generation"]["gflop"] == 2 * 8 * 4 * 6 / 1e9
+    assert phases["backward"]["gflop"] == (2 * 2 * 3 * 4 * 5 + 2 * 8 * 4 * 6) / 1e9
+    assert phases["rest"]["gflop"] == 2 * 8 * 4 * 6 / 1e9
+    assert 0 < phases["generation"]["matmul_seconds"] <= phases["generation"]["seconds"]
+    assert phases["rest"]["seconds"] == pytest.approx(
+        10.0 - phases["generation"]["seconds"] - phases["backward"]["seconds"]
+    )
+    assert phases["policy forward"] == {
+        "seconds": 0.0,
+        "matmul_seconds": 0.0,
+        "gflop": 0.0,
+        "matmul_gflops": 0.0,
+    }
