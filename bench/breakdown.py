@@ -10,6 +10,8 @@ forward with a gradient, backward, and the rest of the step (rewards, advantages
 For each, the time of its matmul ops (`MATMUL_OPS`, self time) and their rate, from the FLOPs their
 recorded shapes imply; and, to read those rates against, this CPU's rate on one large product
 (`PEAK_SIZE` cubed). A phase whose matmuls run near that peak can only get faster with fewer FLOPs.
+The profiler's own cost per op lengthens the profiled step (generation's thousands of small ops
+most), so its phases' non-matmul time reads high; the matmuls' self times are their own.
 """
 
 import argparse
@@ -134,12 +136,19 @@ def main() -> None:
         "precision": precision,
         "step_seconds": timer.seconds,
         "profiled_step_seconds": timer.seconds[-1],
+        "profiled_step_mean_completion_length": worker.per_step_logs(trainer.state.log_history)[-1][
+            "completions/mean_length"
+        ],
         "peak_matmul_gflops": peak_gflops(dtype),
         "phases": phases,
     }
     machine = report["machine"]
     print(f"{machine['cpu_model']} ({machine['cpu_capability']}), {report['threads']} threads, {precision}")
-    print(f"profiled step: {timer.seconds[-1]:.2f} s (steps: {', '.join(f'{s:.2f}' for s in timer.seconds)})")
+    print(
+        f"profiled step: {timer.seconds[-1]:.2f} s, completions of {report['profiled_step_mean_completion_length']:.1f}"
+        f" tokens on average (all steps: {', '.join(f'{s:.2f}' for s in timer.seconds)} s; the profiler"
+        " lengthens its step, most in generation's many small ops)"
+    )
     print(f"{'phase':<30} {'s':>6} {'matmul s':>9} {'matmul GFLOP/s':>15}")
     for name, phase in phases.items():
         print(
