@@ -208,18 +208,13 @@ class _HeadTokenLogps(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, dtype: torch.dtype):
-        rows, vocab = hidden.shape[0], weight.shape[0]
+        rows = hidden.shape[0]
         states, weight = hidden.to(dtype), _cast_frozen(weight, dtype)  # (M, E), (V, E)
         logps = hidden.new_empty(rows, dtype=torch.float32)  # (M,)
         entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
         directions = torch.empty_like(states) if ctx.needs_input_grad[0] else None  # (M, E)
-        products = [hidden.new_empty(min(rows, HEAD_TOKENS_PER_CHUNK), vocab, dtype=dtype)]
-        scratch = _buffers(hidden, rows, vocab, (torch.float32, torch.float32))  # one pair for every chunk
-        for chunk, (product,) in _chunks(rows, products):
-            torch.mm(states[chunk], weight.t(), out=product)  # (c, V) logits
-            for part, (z, e) in _chunks(product.shape[0], scratch):
-                tokens = slice(chunk.start + part.start, chunk.start + part.stop)
-                _scaled_into(z, product[part], temperature)
+        for chunk, product, parts in _head_products(states, weight, temperature):
+            for tokens, part, z, e in parts:
                 logps[tokens], _, total, part_entropy = _score_chunk(z, e, targets[tokens], with_entropy)
                 if with_entropy:
                     entropy[tokens] = part_entropy
@@ -263,12 +258,13 @@ class _RecomputedHeadTokenLogps(torch.autograd.Function):
             logps = hidden.new_empty(rows, dtype=torch.float32)  # (M,)
             log_norms = torch.empty_like(logps)  # (M,) logsumexp(z)
             entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
-            for tokens, z, e in _head_chunks(hidden, weight, temperature, dtype):
-                logps[tokens], log_norms[tokens], _, part_entropy = _score_chunk(
-                    z, e, targets[tokens], with_entropy
-                )
-                if with_entropy:
-                    entropy[tokens] = part_entropy
+            for _, _, parts in _head_products(hidden.to(dtype), weight.to(dtype), temperature):
+                for tokens, _, z, e in parts:
+                    logps[tokens], log_norms[tokens], _, part_entropy = _score_chunk(
+                        z, e, targets[tokens], with_entropy
+                    )
+                    if with_entropy:
+                        entropy[tokens] = part_entropy
         ctx.save_for_backward(hidden, weight, targets, log_norms, entropy)
         ctx.temperature, ctx.dtype = temperature, dtype
         ctx.set_materialize_grads(False)
@@ -283,13 +279,8 @@ class _RecomputedHeadTokenLogps(torch.autograd.Function):
             states, cast = hidden.to(ctx.dtype), weight.to(ctx.dtype)  # (M, E), (V, E)
             grad_hidden = torch.empty_like(states) if ctx.needs_input_grad[0] else None  # (M, E)
             grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-            products = [states.new_empty(min(states.shape[0], HEAD_TOKENS_PER_CHUNK), cast.shape[0])]
-            scratch = _buffers(states, states.shape[0], cast.shape[0], (torch.float32, torch.float32))
-            for chunk, (product,) in _chunks(states.shape[0], products):
-                torch.mm(states[chunk], cast.t(), out=product)  # (c, V) logits
-                for part, (log_p, p) in _chunks(product.shape[0], scratch):
-                    tokens = slice(chunk.start + part.start, chunk.start + part.stop)
-                    _scaled_into(log_p, product[part], ctx.temperature)
+            for chunk, product, parts in _head_products(states, cast, ctx.temperature):
+                for tokens, part, log_p, p in parts:
                     grads = _logit_grads(
                         log_p, p, targets, log_norms, entropy, grad_logps, grad_entropy, tokens
                     )
@@ -308,19 +299,31 @@ class _RecomputedHeadTokenLogps(torch.autograd.Function):
         )
 
 
-def _head_chunks(
-    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype
-) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
-    """Token slices of hidden (M, E), each with z = (hidden @ weight.T)[slice] / T in a float32 buffer, and a second one."""
-    states, cast = hidden.to(dtype), weight.to(dtype)  # (M, E), (V, E)
-    rows, vocab = states.shape[0], cast.shape[0]
+def _head_products(
+    states: torch.Tensor, weight: torch.Tensor, temperature: float
+) -> Iterator[tuple[slice, torch.Tensor, Iterator[tuple[slice, slice, torch.Tensor, torch.Tensor]]]]:
+    """states (M, E) @ weight.T (V, E) taken `HEAD_TOKENS_PER_CHUNK` rows at a time into one reused buffer.
+
+    Yields each chunk's token slice, its (c, V) product, and its parts: `TOKENS_PER_CHUNK` rows at a
+    time, (token slice, rows of the product, z, e) with z = those rows / T in a float32 buffer and
+    e a second one, both reused across parts and chunks. A caller may overwrite the product's rows
+    of a part once it has that part (the next part reads other rows).
+    """
+    rows, vocab = states.shape[0], weight.shape[0]
     products = [states.new_empty(min(rows, HEAD_TOKENS_PER_CHUNK), vocab)]
     scratch = _buffers(states, rows, vocab, (torch.float32, torch.float32))
     for chunk, (product,) in _chunks(rows, products):
-        torch.mm(states[chunk], cast.t(), out=product)  # (c, V) logits
-        for part, (z, e) in _chunks(product.shape[0], scratch):
-            _scaled_into(z, product[part], temperature)
-            yield slice(chunk.start + part.start, chunk.start + part.stop), z, e
+        torch.mm(states[chunk], weight.t(), out=product)  # (c, V) logits
+        yield chunk, product, _scaled_parts(chunk, product, scratch, temperature)
+
+
+def _scaled_parts(
+    chunk: slice, product: torch.Tensor, scratch: list[torch.Tensor], temperature: float
+) -> Iterator[tuple[slice, slice, torch.Tensor, torch.Tensor]]:
+    """`_head_products`' parts of one chunk's product."""
+    for part, (z, e) in _chunks(product.shape[0], scratch):
+        _scaled_into(z, product[part], temperature)
+        yield slice(chunk.start + part.start, chunk.start + part.stop), part, z, e
 
 
 def head_token_logps(
