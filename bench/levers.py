@@ -10,6 +10,10 @@ elsewhere, as the trainer's precision='auto' would; "bf16" below reads "float32"
 - decoding step: `decoding.LlamaDecoder` against the model's own forward (`TransformersDecoder`)
   on the bf16 generation copy of the default model, 16 rows (2 prompts x 8) after a 29-token
   prompt, ms per step;
+- decoding, finished rows out: the decoding steps of a round whose completions end as
+  `completion_lengths` says (half at 48 tokens, half at 12 to 45), each row leaving the decoder
+  after its last token (`LlamaDecoder.keep`, as `rollout.generate` runs it) against every row
+  decoded to the end, s per round;
 - decoding matmuls: every matmul of a decoding step (30 layers and the LM head, 16 rows) on
   weights reordered once into oneDNN's blocked layout (`decoding.BlockedLinear`) against
   `F.linear` on the plain bf16 weights, ms per step;
@@ -101,6 +105,27 @@ def decoding_lever(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
 
 
 @torch.no_grad()
+def finished_rows_lever(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    copy = GenerationCopy(model, DTYPE).refresh()
+    lengths, token = completion_lengths(), torch.randint(0, copy.config.vocab_size, (ROWS,))
+
+    def round_seconds(drop: bool) -> float:
+        decoder = LlamaDecoder(copy, COMPLETION)
+        decoder.prefill(ids, mask)
+        going = torch.arange(ROWS)  # the decoder's rows
+        start = time.perf_counter()
+        for step in range(1, COMPLETION):  # the logits of token `step`, for rows longer than that
+            if drop and (lengths[going] <= step).any():
+                open_rows = (lengths[going] > step).nonzero().squeeze(1)
+                decoder.keep(open_rows)
+                going = going[open_rows]
+            decoder(token[going])
+        return time.perf_counter() - start
+
+    return alternate(lambda: round_seconds(True), lambda: round_seconds(False), 4)
+
+
+@torch.no_grad()
 def matmul_lever(model: torch.nn.Module) -> tuple[float, float]:
     copy = GenerationCopy(model, DTYPE).refresh()
     weights = [module.weight for module in copy.modules() if isinstance(module, torch.nn.Linear)]
@@ -150,12 +175,14 @@ def shared_prompts_lever(
     )
 
 
+def completion_lengths() -> torch.Tensor:
+    """(B,) lengths as in the benchmark's rounds: 8 completions of 48 tokens, 8 of 12 to 45 (mean 38)."""
+    return torch.cat([torch.full((ROWS // 2,), COMPLETION), torch.linspace(12, 45, ROWS // 2).round().long()])
+
+
 def bench_completions(ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, P + C) ids and attention mask: 8 completions of 48 tokens, 8 of 12 to 45 (mean 38)."""
-    lengths = torch.cat(
-        [torch.full((ROWS // 2,), COMPLETION), torch.linspace(12, 45, ROWS // 2).round().long()]
-    )
-    real = (torch.arange(COMPLETION) < lengths.unsqueeze(1)).long()  # (B, C)
+    """(B, P + C) ids and attention mask, completions of `completion_lengths`."""
+    real = (torch.arange(COMPLETION) < completion_lengths().unsqueeze(1)).long()  # (B, C)
     completions = torch.randint(0, vocab, (ROWS, COMPLETION)) * real
     return torch.cat([ids, completions], dim=1), torch.cat([mask, real], dim=1)
 
@@ -235,6 +262,7 @@ def main() -> None:
     levers = [
         ("sampling (16 x vocab)", "ms", sampling_lever(model.config.vocab_size)),
         ("decoding step (bf16 copy)", "ms", decoding_lever(model, ids, mask)),
+        ("decoding, finished rows out", "s", finished_rows_lever(model, ids, mask)),
         ("decoding matmuls (16 rows)", "ms", matmul_lever(model)),
     ]
     policy = lora_policy(model)  # adds LoRA layers to `model` itself: after the levers above
