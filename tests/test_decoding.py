@@ -72,12 +72,20 @@ def test_llama_decoder_gives_the_models_logits_at_every_step(build, matmuls):
         torch.testing.assert_close(ours(token), theirs(token), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", [LlamaDecoder, TransformersDecoder], ids=["llama", "transformers"])
+@pytest.mark.parametrize(
+    "kind, build",
+    [
+        (LlamaDecoder, llama_with_rope_scaling),
+        (TransformersDecoder, llama_with_rope_scaling),
+        (TransformersDecoder, tiny_gpt2),
+    ],
+    ids=["llama", "transformers-llama", "transformers-gpt2"],
+)
 @torch.no_grad()
-def test_rows_kept_decode_as_they_would_have_in_the_whole_batch(kind, matmuls):
+def test_rows_kept_decode_as_they_would_have_in_the_whole_batch(kind, build, matmuls):
     """After `keep([3, 1])` the decoder's rows are the batch's rows 3 and 1, their caches and
     positions intact (rows 3 and 1 have different prompt lengths), the others gone."""
-    model = llama_with_rope_scaling().eval()
+    model = build().eval()
     ids, mask = prompts()
     whole, kept = [kind(model, 8) if kind is LlamaDecoder else kind(model) for _ in range(2)]
     torch.testing.assert_close(whole.prefill(ids, mask), kept.prefill(ids, mask), rtol=0, atol=0)
