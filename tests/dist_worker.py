@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
 
 from grpo_hf import GRPOTrainer
+from grpo_hf.rollout import Rollout, completion_mask_after_eos
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,12 @@ class Scenario:
     optim: str = "sgd"
     learning_rate: float = 0.5
     save_steps: int | None = None  # save a checkpoint every save_steps optimizer steps
-    completions: str = "fixed"  # "fixed", "sampled" (the real decode loop) or "uneven_stop"
+    completions: str = "fixed"  # a key of TRAINERS: "fixed", "sampled" (the real decode loop), ...
     reward: str = "length"  # a key of REWARDS
     dynamic_sampling: bool = False
     nonfinite_steps: tuple[int, ...] = ()  # optimizer steps (1-based) whose loss is multiplied by inf
     lr_scheduler_type: str = "linear"
+    max_completion_length: int = 8
 
 
 SCENARIOS = {
@@ -87,7 +89,20 @@ SCENARIOS = {
     # step runs inside backward). A constant learning rate, because DeepSpeed does not advance the
     # scheduler on a skipped step and the plain Trainer does.
     "nonfinite": Scenario(num_generations=8, nonfinite_steps=(2,), lr_scheduler_type="constant"),
+    # Two-turn tool episodes (a call of `add`, its result, an answer): the tool results' tokens are
+    # in the context but out of the loss, on every process.
+    "tools": Scenario(num_generations=8, completions="tools", max_completion_length=256),
 }
+
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
 
 
 def half_constant_reward(completions, answer, **kwargs) -> list[float]:
@@ -144,7 +159,33 @@ class UnevenStopTrainer(SamplingTrainer):
         return super().generate_completions(prompt_ids, prompt_mask)
 
 
-TRAINERS = {"fixed": RecordingTrainer, "sampled": SamplingTrainer, "uneven_stop": UnevenStopTrainer}
+class ToolEpisodesTrainer(RecordingTrainer):
+    """Scripted two-turn episodes: the first turn calls `add` with a = 10 ** (the row's place in its
+    group), the turn after the tool result answers "done". Rows are counted over the whole batch as
+    in `FixedCompletionsTrainer` (every episode has both turns, so each turn sees the whole local
+    batch), so 1 and N processes run the same episodes."""
+
+    def generate_completions(self, prompt_ids, prompt_mask, max_new_tokens=None):
+        tokenizer, width = self.processing_class, max_new_tokens or self.args.max_completion_length
+        offset = self.accelerator.process_index * len(prompt_ids)  # global index of local row 0
+        rows = []
+        for i, (ids, mask) in enumerate(zip(prompt_ids, prompt_mask, strict=True)):
+            place = (offset + i) % self.args.num_generations
+            answered = "<|im_start|>tool" in tokenizer.decode(ids[mask.bool()])
+            call = f'<tool_call>{{"name": "add", "arguments": {{"a": {10**place}, "b": 3}}}}</tool_call>'
+            tokens = tokenizer("done" if answered else call, add_special_tokens=False)["input_ids"]
+            rows.append((tokens + [self.eos_token_ids[0]] + [tokenizer.pad_token_id] * width)[:width])
+        completion_ids = torch.tensor(rows, device=prompt_ids.device)  # (B, C)
+        mask, truncated = completion_mask_after_eos(completion_ids, self.eos_token_ids)
+        return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated)
+
+
+TRAINERS = {
+    "fixed": RecordingTrainer,
+    "sampled": SamplingTrainer,
+    "uneven_stop": UnevenStopTrainer,
+    "tools": ToolEpisodesTrainer,
+}
 
 
 def force_fsdp_on_cpu() -> None:
@@ -188,6 +229,7 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
         dynamic_sampling=scenario.dynamic_sampling,
         max_dynamic_sampling_rounds=3,
         lr_scheduler_type=scenario.lr_scheduler_type,
+        max_completion_length=scenario.max_completion_length,
     )
     force_fsdp_on_cpu()
     peft_config = (
@@ -200,6 +242,7 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
         train_dataset=chat_dataset(8),
         processing_class=tiny_tokenizer(),
         peft_config=peft_config,
+        tools=[add] if scenario.completions == "tools" else None,
     )
     trainer.nonfinite_steps = scenario.nonfinite_steps
     initial = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}

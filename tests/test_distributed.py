@@ -47,6 +47,7 @@ COMPARED = [
     "sync_ref",
     "save",
     "dynamic",
+    "tools",
 ]
 NONFINITE = ["nonfinite"]  # compared by its own test: the skipped step logs grad_norm nan or inf
 SAMPLED = [
