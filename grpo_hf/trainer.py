@@ -476,27 +476,38 @@ class GRPOTrainer(Trainer):
             dapo_normalizer=inputs["dapo_normalizer"],
             sampler_weights=self._sampler_weights(logps, inputs),
         )
-        if "kl" in metrics and model.training:
-            self._round_kl.append(metrics["kl"].item())
-        self.record_token_means(
-            {k: v.item() for k, v in metrics.items()}, inputs["completion_mask"].sum().item()
-        )
+        self._record_loss_metrics(metrics, logps, inputs)
         return (loss, None) if return_outputs else loss
 
     def _sampler_weights(self, logps: torch.Tensor, inputs: dict) -> torch.Tensor | None:
-        """Record how far the sampler's token probabilities are from the policy's (ratio
-        pi_old / pi_sampler, mean and max over tokens); the truncated IS weights if configured."""
-        if "sampler_logps" not in inputs:  # completions not drawn by our decode loop
+        """The truncated importance-sampling weights pi_old / pi_sampler, if configured."""
+        if "sampler_logps" not in inputs or self.args.sampler_is_cap is None:
             return None
         old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C)
-        mask = inputs["completion_mask"].to(old.dtype)  # (B, C)
-        ratio = torch.exp(old - inputs["sampler_logps"]) * mask  # (B, C)
-        tokens = mask.sum().item()
-        self.record_token_means({"sampler/ratio_mean": ratio.sum().item() / max(tokens, 1)}, tokens)
-        self.record({"sampler/ratio_max": ratio.max().item()})
-        if self.args.sampler_is_cap is None:
-            return None
         return sampler_is_weights(old, inputs["sampler_logps"], self.args.sampler_is_cap)
+
+    def _record_loss_metrics(
+        self, metrics: dict[str, torch.Tensor], logps: torch.Tensor, inputs: dict
+    ) -> None:
+        """Record a micro-step's loss metrics and, for completions drawn by our decode loop, how far the
+        sampler's token probabilities are from the policy's (ratio pi_old / pi_sampler, mean and max
+        over tokens). They reach the host in one transfer, not one `.item()` (a device sync) each."""
+        mask = inputs["completion_mask"]  # (B, C)
+        scalars = {"tokens": mask.sum(), **metrics}
+        if "sampler_logps" in inputs:
+            old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C)
+            ratio = torch.exp(old - inputs["sampler_logps"]) * mask.to(old.dtype)  # (B, C)
+            scalars |= {"sampler/ratio_sum": ratio.sum(), "sampler/ratio_max": ratio.max()}
+        values = dict(zip(scalars, torch.stack([v.float() for v in scalars.values()]).tolist(), strict=True))
+        tokens = values.pop("tokens")
+        if "sampler/ratio_sum" in values:
+            self.record_token_means(
+                {"sampler/ratio_mean": values.pop("sampler/ratio_sum") / max(tokens, 1)}, tokens
+            )
+            self.record({"sampler/ratio_max": values.pop("sampler/ratio_max")})
+        if "kl" in values and self.model.training:
+            self._round_kl.append(values["kl"])
+        self.record_token_means(values, tokens)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)

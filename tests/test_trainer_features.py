@@ -176,3 +176,37 @@ def test_metrics_reach_tensorboard(tmp_path):
     tags = set(events.Tags()["scalars"])
     assert {"train/reward", "train/kl", "train/completions/mean_length", "train/reward/length_reward"} <= tags
     assert len(events.Scalars("train/reward")) == 2  # one point per optimizer step
+
+
+def test_loss_metrics_reach_the_host_in_one_read(tmp_path, monkeypatch):
+    """On a GPU every .item() waits for the device: a micro-step's metrics come back in one transfer."""
+    trainer = FixedCompletionsTrainer(
+        model=tiny_llama(),
+        reward_funcs=length_reward,
+        args=make_config(tmp_path),
+        train_dataset=chat_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    trainer.model.train()
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    logps = torch.log(torch.tensor([[0.5, 0.2, 0.3], [0.1, 0.4, 0.4]]))
+    inputs = {
+        "completion_mask": mask,
+        "sampler_logps": torch.log(torch.tensor([[0.25, 0.4, 1], [0.1, 1, 1]])),
+    }
+    metrics = {"kl": torch.tensor(0.125), "entropy": torch.tensor(2.0)}
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a)
+        )
+    trainer._record_loss_metrics(metrics, logps, inputs)
+    monkeypatch.undo()
+    assert reads == ["tolist"]
+    # ratios pi / pi_sampler on the 3 active tokens: 0.5 / 0.25, 0.2 / 0.4, 0.1 / 0.1
+    assert trainer.metrics.values["train"]["sampler/ratio_max"] == [pytest.approx(2.0)]
+    sums = trainer.metrics.token_sums["train"]
+    assert sums["sampler/ratio_mean"] == [pytest.approx(3.5), 3.0]  # mean 3.5 / 3 over 3 tokens
+    assert sums["kl"] == [pytest.approx(0.375), 3.0] and sums["entropy"] == [pytest.approx(6.0), 3.0]
+    assert trainer._round_kl == [0.125]
