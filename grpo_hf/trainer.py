@@ -457,6 +457,7 @@ class GRPOTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
         logps, entropy = self.completion_logps(model, inputs, with_entropy=True)  # (B, C), (B, C)
+        old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C) pi_old
         loss, metrics = grpo_loss(
             logps,
             inputs.get("old_logps"),
@@ -474,28 +475,24 @@ class GRPOTrainer(Trainer):
             entropy=entropy,
             entropy_coef=args.entropy_coef,
             dapo_normalizer=inputs["dapo_normalizer"],
-            sampler_weights=self._sampler_weights(logps, inputs),
+            sampler_weights=self._sampler_weights(old, inputs),
         )
-        self._record_loss_metrics(metrics, logps, inputs)
+        self._record_loss_metrics(metrics, old, inputs)
         return (loss, None) if return_outputs else loss
 
-    def _sampler_weights(self, logps: torch.Tensor, inputs: dict) -> torch.Tensor | None:
+    def _sampler_weights(self, old: torch.Tensor, inputs: dict) -> torch.Tensor | None:
         """The truncated importance-sampling weights pi_old / pi_sampler, if configured."""
         if "sampler_logps" not in inputs or self.args.sampler_is_cap is None:
             return None
-        old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C)
         return sampler_is_weights(old, inputs["sampler_logps"], self.args.sampler_is_cap)
 
-    def _record_loss_metrics(
-        self, metrics: dict[str, torch.Tensor], logps: torch.Tensor, inputs: dict
-    ) -> None:
+    def _record_loss_metrics(self, metrics: dict[str, torch.Tensor], old: torch.Tensor, inputs: dict) -> None:
         """Record a micro-step's loss metrics and, for completions drawn by our decode loop, how far the
         sampler's token probabilities are from the policy's (ratio pi_old / pi_sampler, mean and max
         over tokens). They reach the host in one transfer, not one `.item()` (a device sync) each."""
         mask = inputs["completion_mask"]  # (B, C)
         scalars = {"tokens": mask.sum(), **metrics}
         if "sampler_logps" in inputs:
-            old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C)
             ratio = torch.exp(old - inputs["sampler_logps"]) * mask.to(old.dtype)  # (B, C)
             scalars |= {"sampler/ratio_sum": ratio.sum(), "sampler/ratio_max": ratio.max()}
         values = dict(zip(scalars, torch.stack([v.float() for v in scalars.values()]).tolist(), strict=True))

@@ -15,8 +15,9 @@ from grpo_hf.engine.cpu import native_bf16
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def bench_run_module():
-    spec = importlib.util.spec_from_file_location("bench_run", ROOT / "bench" / "run.py")
+def bench_module(name: str):
+    """bench/<name>.py, imported (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -24,7 +25,7 @@ def bench_run_module():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_precisions_skip_bf16_where_it_is_emulated(native, monkeypatch):
-    run = bench_run_module()
+    run = bench_module("run")
     monkeypatch.setattr(run, "native_bf16", lambda: native)
     args = run.parse_args([])
     if native:
@@ -98,9 +99,7 @@ def test_memory_bench_runs_our_side_with_and_without_checkpointing(tmp_path):
 
 def test_breakdown_counts_each_matmul_in_its_phase():
     """bench/breakdown.py: FLOPs from recorded shapes, attributed to the enclosing phase scope."""
-    spec = importlib.util.spec_from_file_location("bench_breakdown", ROOT / "bench" / "breakdown.py")
-    breakdown = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(breakdown)
+    breakdown = bench_module("breakdown")
     from torch.profiler import ProfilerActivity, profile, record_function
 
     a, b, x, y = torch.randn(8, 4), torch.randn(4, 6), torch.randn(2, 3, 4), torch.randn(2, 4, 5)
