@@ -29,13 +29,13 @@ from typing import NamedTuple
 from datasets import Dataset, DatasetDict
 
 from grpo_hf.rewards import (
-    RewardFunc,
     accuracy_reward,
     countdown_reward,
     evaluate_expression,
     make_format_reward,
     tool_use_reward,
 )
+from grpo_hf.scoring import RewardFunc
 
 # Short, because the default model is tiny (SmolLM2-135M-Instruct) and `accuracy_reward` reads a bare
 # number best.
