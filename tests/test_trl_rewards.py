@@ -28,11 +28,11 @@ def test_accuracy_reward_reads_trl_solution_column_positionally_and_by_keyword()
     assert accuracy_reward(completions=completions, answer=solutions) == [1.0, 0.0]
 
 
-def test_accuracy_reward_needs_exactly_one_gold_column():
+def test_accuracy_reward_needs_a_gold_column_and_prefers_trls_solution():
     with pytest.raises(ValueError, match="'solution' or an 'answer' column.*neither"):
         accuracy_reward(completions=[chat("1")])
-    with pytest.raises(ValueError, match="both"):
-        accuracy_reward(completions=[chat("1")], answer=["1"], solution=["1"])
+    # A dataset with both (OpenR1-Math has a worked 'solution' and an 'answer'): TRL scores 'solution'.
+    assert accuracy_reward(completions=[chat("1")], answer=["2"], solution=["1"]) == [1.0]
 
 
 def test_accuracy_reward_logs_gold_and_parsed_answer_through_log_extra():

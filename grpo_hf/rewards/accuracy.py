@@ -121,7 +121,7 @@ def accuracy_reward(
 ) -> list[float | None]:
     """1.0 if the completion's final answer equals the gold answer (math-verify), else 0.0.
 
-    The gold is the `solution` column (TRL's name) or the `answer` column (this package's tasks).
+    The gold is the `solution` column (TRL's name) or else the `answer` column (this package's tasks).
     The final answer is taken by `extract_answer` from `final_answer_text` (for a multi-turn
     completion, the model's last turn: a tool result that holds the number does not count). Where
     the gold is a plain number, an answer with an operation left in it scores 0.0. Unparsable, empty
@@ -204,14 +204,16 @@ def get_cosine_scaled_reward(
 
 
 def _gold_column(name: str, answer: list | None, solution: list | None) -> list:
-    """The gold answers: the `solution` column (TRL's name) or the `answer` column, not both."""
-    if (answer is None) == (solution is None):
-        given = "both" if answer is not None else "neither"
+    """The gold answers: the `solution` column (TRL's name, which wins when a dataset has both, as in
+    TRL), else the `answer` column."""
+    if solution is not None:
+        return solution
+    if answer is None:
         raise ValueError(
-            f"{name} reads the gold answer from a 'solution' or an 'answer' column; the dataset has {given}. "
-            "Keep exactly one of them."
+            f"{name} reads the gold answer from a 'solution' or an 'answer' column; the dataset has neither. "
+            "Add one."
         )
-    return answer if answer is not None else solution
+    return answer
 
 
 def _log_answers(
