@@ -109,14 +109,16 @@ class GRPOConfig(TrainingArguments):
     max_tool_calling_iterations: int | None = field(
         default=None,
         metadata={
-            "help": "Turns whose tool calls are answered per episode; a call after that is left unanswered and "
-            "the episode ends. None: no limit but max_completion_length, which counts model and tool tokens."
+            "help": "Turns whose tool calls are answered per episode (TRL's tool-calling iterations); a call "
+            "after that is left unanswered and the episode ends; 0 answers none. None: no limit but "
+            "max_completion_length, which counts model and tool tokens."
         },
     )
     tool_timeout: float = field(
         default=10.0,
         metadata={
-            "help": "Seconds a tool call may take; after that the model gets an error message instead."
+            "help": 'Seconds a tool call may take; after that the model gets {"error": ...} instead and the '
+            "call counts as failed."
         },
     )
 
@@ -311,8 +313,8 @@ class GRPOConfig(TrainingArguments):
             ),
             (self.reward_weights is None or len(self.reward_weights) > 0, "reward_weights must not be empty"),
             (
-                self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 1,
-                "max_tool_calling_iterations must be >= 1 (or None: no limit)",
+                self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
+                "max_tool_calling_iterations must be >= 0 (or None: no limit)",
             ),
             (self.tool_timeout > 0, "tool_timeout must be > 0 seconds"),
         ]

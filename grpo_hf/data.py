@@ -14,19 +14,28 @@ import torch
 from torch.utils.data import Sampler
 
 
-def check_prompt_dataset(dataset, name: str, needs_chat: bool = False) -> None:
+def check_prompt_dataset(dataset, name: str, needs_chat: bool = False, prompt_optional: bool = False) -> None:
     """Fail early, naming the column, on a dataset the trainer cannot use.
 
     `needs_chat`: tools are in use, so prompts must be chat messages (the chat template describes the
     tools and renders their results) and no column may be named 'environments' (the reward
-    functions' keyword for the episodes' environments)."""
+    functions' keyword for the episodes' environments). `prompt_optional`: environments may supply
+    the prompts (their `reset` returns them), so a dataset without a 'prompt' column is fine."""
     columns = getattr(dataset, "column_names", None)
-    if columns is not None and "prompt" not in columns:
+    has_prompt = columns is None or "prompt" in columns
+    if not has_prompt and not prompt_optional:
         raise ValueError(
             f"{name} has no 'prompt' column (columns: {columns}); rename the prompt column to 'prompt'."
         )
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty.")
+    if needs_chat and columns is not None and "environments" in columns:
+        raise ValueError(
+            f"{name} has a column named 'environments', the keyword that hands reward functions the episodes' "
+            "environments; rename the column."
+        )
+    if not has_prompt:
+        return
     prompts = dataset["prompt"] if columns is not None else [row["prompt"] for row in dataset]
     kinds = {"text" if isinstance(p, str) else "chat" if _is_chat(p) else type(p).__name__ for p in prompts}
     if kinds - {"text", "chat"}:
@@ -39,13 +48,8 @@ def check_prompt_dataset(dataset, name: str, needs_chat: bool = False) -> None:
         )
     if needs_chat and kinds == {"text"}:
         raise ValueError(
-            f"{name}: tools need chat prompts (a list of {{'role', 'content'}} messages in 'prompt'), since the "
+            f"{name}: tools and environments need chat prompts (a list of {{'role', 'content'}} messages in 'prompt'), since the "
             "chat template describes the tools and renders their results; found plain text."
-        )
-    if needs_chat and columns is not None and "environments" in columns:
-        raise ValueError(
-            f"{name} has a column named 'environments', the keyword that hands reward functions the episodes' "
-            "environments; rename the column."
         )
 
 

@@ -57,7 +57,7 @@ def greedy_accuracy(
     )
     if is_async_reward(reward_func):
         reward_func = blocking(reward_func, reward_name(reward_func))
-    toolbox = Toolbox(tools, None) if tools else None
+    toolbox = Toolbox(tools) if tools else None
     scores, samples, calls = [], [], []
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
@@ -71,8 +71,8 @@ def greedy_accuracy(
         else:
             _, completions, episodes = tool_episodes(
                 rows["prompt"],
-                [toolbox.shared] * len(rows["prompt"]),
-                toolbox.schemas,
+                toolbox.for_episodes(None, len(rows["prompt"])),
+                [toolbox.schemas[None]] * len(rows["prompt"]),
                 tokenizer,
                 lambda ids, mask, n: rollout.generate(model, ids, mask, _with_max_new_tokens(config, n)),
                 max_prompt_length=None,

@@ -1,17 +1,18 @@
 """Multi-turn rollouts with tools: generate a turn, run its tool calls, append the results, go on.
 
 One episode per row. Each turn every unfinished episode is generated on (prompt + everything so
-far), its tool calls (`tools.parse_tool_calls`) run, and the tool messages, rendered as the chat
-template writes them, are appended. An episode ends when a turn calls no tool, when
-`max_iterations` turns have had their calls answered (None: no limit; a call in the turn after
-that is left unanswered), or when its completion, model and tool tokens together, reaches
-`max_completion_length` (then it is truncated, like a single-turn completion without EOS; tool
-results that do not fit are cut).
+far), the turn is read (`tools.TurnParser`: its message and tool calls), the calls run and the
+tool messages, rendered as the chat template writes them, are appended. An episode ends when a
+turn calls no tool (a turn whose calls cannot be read calls none), when `max_iterations` turns
+have had their calls answered (TRL's `max_tool_calling_iterations`: None, no limit; 0, no call is
+answered; a call in the turn after that is left unanswered), or when its completion, model and
+tool tokens together, reaches `max_completion_length` (then it is truncated, like a single-turn
+completion without EOS; tool results that do not fit are cut).
 
 The completion of an episode is every model turn and tool result in order: tool-result tokens are
 in the attention mask (the model reads them) and in `Rollout.tool_mask`, which the trainer takes
 out of the loss, the KL and the entropy. For the reward functions the completion is the list of
-its messages (assistant turns with their text, tool messages with their results).
+its messages (assistant turns, with `tool_calls` where they called, and tool messages).
 
 Each turn is one generation call over the whole context: the decoder prefills it again rather
 than keeping the previous turn's KV cache (prefill is one batched pass; the decoding steps, one
@@ -27,9 +28,10 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo_hf.rollout import Rollout, left_padded, tokenize_prompts
 from grpo_hf.tools import (
+    ToolCall,
+    ToolResult,
     ToolResultRenderer,
-    is_tool_error,
-    parse_tool_calls,
+    TurnParser,
     render_tool_prompt,
     run_episode_calls,
 )
@@ -47,8 +49,9 @@ class Episode:
     from_tool: list[int] = field(default_factory=list)  # 1 on tool-result tokens
     sampler_logps: list[float] = field(default_factory=list)  # 0 on tool-result tokens
     messages: list[dict] = field(default_factory=list)
-    tool_calls: int = 0
+    tool_calls: int = 0  # calls answered
     failed_calls: int = 0
+    timed_out: bool = False  # a call was abandoned (its thread may still run)
     truncated: bool = False
     done: bool = False
 
@@ -62,7 +65,7 @@ class Episode:
 def tool_episodes(
     prompts: list[list[dict]],
     tools: list[dict[str, Callable]],
-    schemas: list[dict],
+    schemas: list[list[dict]],
     tokenizer: PreTrainedTokenizerBase,
     generate_turn: GenerateTurn,
     *,
@@ -72,8 +75,9 @@ def tool_episodes(
     timeout: float,
     device: torch.device,
 ) -> tuple[Rollout, list[list[dict]], list[Episode]]:
-    """Chat prompts with their tools described (`tools.render_tool_prompt`), then `run_episodes`."""
-    texts = [render_tool_prompt(tokenizer, prompt, schemas) for prompt in prompts]
+    """Chat prompts, each with its row's tools (`schemas[i]`) described (`tools.render_tool_prompt`),
+    then `run_episodes`."""
+    texts = [render_tool_prompt(tokenizer, p, s) for p, s in zip(prompts, schemas, strict=True)]
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, texts, max_prompt_length, device)
     return run_episodes(
         prompt_ids,
@@ -81,6 +85,7 @@ def tool_episodes(
         generate_turn,
         tokenizer,
         tools,
+        schemas=schemas,
         max_iterations=max_iterations,
         max_completion_length=max_completion_length,
         timeout=timeout,
@@ -94,16 +99,19 @@ def run_episodes(
     tokenizer: PreTrainedTokenizerBase,
     tools: list[dict[str, Callable]],
     *,
+    schemas: list[list[dict]] | None = None,
     max_iterations: int | None,
     max_completion_length: int,
     timeout: float,
 ) -> tuple[Rollout, list[list[dict]], list[Episode]]:
-    """Episodes for (B, P) left-padded prompts; `tools[i]` are row i's tools by name.
+    """Episodes for (B, P) left-padded prompts; `tools[i]` are row i's tools by name, `schemas[i]`
+    their descriptions (for a `response_template` parser to type the arguments).
 
     Returns the rollout (completions right-padded, with `tool_mask`), each episode's messages, and
     the episodes (their tool-call counts).
     """
-    render = ToolResultRenderer(tokenizer)
+    render, parse = ToolResultRenderer(tokenizer), TurnParser(tokenizer)
+    schemas = schemas or [[] for _ in tools]
     episodes = [Episode(ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
     for turn in itertools.count():
         active = [i for i, episode in enumerate(episodes) if not episode.done]
@@ -116,11 +124,12 @@ def run_episodes(
         result = generate_turn(ids, mask, max(budgets))
         calls = []
         for row, (i, budget) in enumerate(zip(active, budgets, strict=True)):
-            calls.append(_take_turn(episodes[i], result, row, budget, tokenizer, last=turn == max_iterations))
-        messages = run_episode_calls(calls, [tools[i] for i in active], timeout)
-        for i, turn_calls, tool_messages in zip(active, calls, messages, strict=True):
+            last = turn == max_iterations
+            calls.append(_take_turn(episodes[i], result, row, budget, parse, schemas[i], last))
+        results = run_episode_calls(calls, [tools[i] for i in active], timeout)
+        for i, turn_calls, turn_results in zip(active, calls, results, strict=True):
             if turn_calls:
-                _add_tool_results(episodes[i], tool_messages, render, max_completion_length)
+                _add_tool_results(episodes[i], turn_results, render, max_completion_length)
     return (
         _as_rollout(prompt_ids, prompt_mask, episodes, tokenizer.pad_token_id),
         [e.messages for e in episodes],
@@ -128,33 +137,51 @@ def run_episodes(
     )
 
 
-def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """Tool calls, failed calls and model turns per episode, means over `episodes`."""
-    n = len(episodes)
+def episode_counts(episodes: list[Episode]) -> list[int]:
+    """[episodes, answered calls, failed calls, model turns] of `episodes`, to sum over processes."""
+    return [
+        len(episodes),
+        sum(e.tool_calls for e in episodes),
+        sum(e.failed_calls for e in episodes),
+        sum(m["role"] == "assistant" for e in episodes for m in e.messages),
+    ]
+
+
+def tool_metrics(counts: list[int]) -> dict[str, float]:
+    """A round's tool metrics from `episode_counts` summed over every process: ours per episode, and
+    TRL's `tools/call_frequency` (calls per episode) and `tools/failure_frequency` (failed / calls,
+    0 without calls)."""
+    episodes, calls, failed, turns = counts
     return {
-        "tools/calls_per_episode": sum(e.tool_calls for e in episodes) / n,
-        "tools/failed_calls_per_episode": sum(e.failed_calls for e in episodes) / n,
-        "tools/turns_per_episode": sum(m["role"] == "assistant" for e in episodes for m in e.messages) / n,
+        "tools/calls_per_episode": calls / episodes,
+        "tools/failed_calls_per_episode": failed / episodes,
+        "tools/turns_per_episode": turns / episodes,
+        "tools/call_frequency": calls / episodes,
+        "tools/failure_frequency": failed / calls if calls else 0.0,
     }
 
 
 def _take_turn(
-    episode: Episode, result: Rollout, row: int, budget: int, tokenizer: PreTrainedTokenizerBase, last: bool
-) -> list:
+    episode: Episode,
+    result: Rollout,
+    row: int,
+    budget: int,
+    parse: TurnParser,
+    schemas: list[dict],
+    last: bool,
+) -> list[ToolCall]:
     """Append row `row` of a generated turn to the episode; return the tool calls to answer."""
     length = int(result.completion_mask[row].sum())
     cut = length > budget
     length = min(length, budget)
     tokens = result.completion_ids[row, :length].tolist()
     logps = None if result.sampler_logps is None else result.sampler_logps[row, :length].tolist()
+    message, calls = parse(tokens, episode.context, schemas)
     episode.add(tokens, logps, tool=False)
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    episode.messages.append({"role": "assistant", "content": text})
+    episode.messages.append(message)
     if cut or bool(result.truncated[row]):
         episode.truncated = episode.done = True
         return []
-    calls = parse_tool_calls(text)
-    episode.tool_calls += len(calls)
     if not calls or last or length == budget:  # nothing to answer, no turn left, or no room left
         episode.done = True
         return []
@@ -162,10 +189,13 @@ def _take_turn(
 
 
 def _add_tool_results(
-    episode: Episode, messages: list[dict], render: ToolResultRenderer, max_completion_length: int
+    episode: Episode, results: list[ToolResult], render: ToolResultRenderer, max_completion_length: int
 ) -> None:
-    """Append the tool messages (cut to the completion budget) and count the failed calls."""
-    episode.failed_calls += sum(is_tool_error(m) for m in messages)
+    """Append the tool messages (cut to the completion budget) and count the calls."""
+    episode.tool_calls += len(results)
+    episode.failed_calls += sum(r.failed for r in results)
+    episode.timed_out |= any(r.timed_out for r in results)
+    messages = [r.message for r in results]
     episode.messages += messages
     tokens = render(messages)
     room = max_completion_length - len(episode.ids)

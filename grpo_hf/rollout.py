@@ -5,6 +5,7 @@ the same column. A completion's mask covers its tokens up to and including the f
 completion with no EOS within `max_completion_length` is flagged as truncated.
 """
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -64,12 +65,20 @@ def message_text(value: str | list[dict]) -> str:
 
 def transcript(value: str | list[dict]) -> str:
     """A completion as one text for logs: a str as is, a one-message chat as its content, a
-    multi-turn chat as its messages, each led by its role."""
+    multi-turn chat as its messages, each led by its role; tool calls as `<tool_call>` JSON."""
     if isinstance(value, str):
         return value
     if len(value) == 1:
-        return value[0]["content"]
-    return "\n".join(f"[{m['role']}] {m['content']}" for m in value)
+        return _with_calls(value[0])
+    return "\n".join(f"[{m['role']}] {_with_calls(m)}" for m in value)
+
+
+def _with_calls(message: dict) -> str:
+    calls = [
+        f"<tool_call>{json.dumps(c['function'], default=str)}</tool_call>"
+        for c in message.get("tool_calls") or []
+    ]
+    return " ".join([message["content"], *calls]).strip() if calls else message["content"]
 
 
 def tokenize_prompts(

@@ -64,14 +64,13 @@ def load_reward_model(model: str | PreTrainedModel, tokenizer: PreTrainedTokeniz
 
 
 def reward_functions(
-    reward_funcs: RewardFunc | str | PreTrainedModel | list,
+    reward_funcs: RewardFunc | str | PreTrainedModel | list | None,
     tokenizers: list[PreTrainedTokenizerBase | None] | None,
     reward_weights: list[float] | None,
 ) -> list[RewardFunc | RewardModel]:
-    """The reward callables and models (ids and models loaded), checked against `reward_weights`."""
-    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-    if not funcs:
-        raise ValueError("reward_funcs is empty; pass at least one reward function or reward model.")
+    """The reward callables and models (ids and models loaded), checked against `reward_weights`.
+    None or [] give none (an environment's `get_reward` may be the reward)."""
+    funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     if reward_weights is not None and len(reward_weights) != len(funcs):
         raise ValueError(
             f"reward_weights has {len(reward_weights)} values for {len(funcs)} reward functions; "

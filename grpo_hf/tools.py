@@ -1,23 +1,32 @@
 """Tool calling for multi-turn rollouts: describe the tools, parse a turn's calls, run them, render results.
 
-The episode loop that uses these steps is `multi_turn.run_episodes`; this module is its pure parts.
+The episode loop that uses these steps is `multi_turn.run_episodes`; environments, whose methods
+are tools, are `environments`.
 
-- Format: Hermes (the chat templates of Qwen2.5, Qwen3, Hermes and SmolLM3 use it): a call is
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in the assistant's text, several per
-  turn allowed. `arguments` may also be a JSON string (some templates write it so). A malformed
-  call becomes a `ToolCall` carrying the error, not an exception: a policy in training writes
-  malformed calls and is better told so in the tool message than stopped.
 - Description: the tools' JSON schemas come from their signatures and docstrings
   (`transformers.utils.get_json_schema`: type hints and a Google-style "Args:" section) and go to
   the chat template as `tools=`. A template that ignores `tools` (SmolLM2's, for one) renders the
   same text with and without them; then a signature line per tool and the call format are written
   into the system message instead (`tool_system_prompt`), so any chat model can be told about its
-  tools.
+  tools. Each row gets the shared tools and its environment's methods; a row with no tool gets its
+  prompt as it is.
+- Parsing (`TurnParser`): with a `response_template` on the tokenizer (transformers' response
+  parsing: a model's tokenizer config may ship one, or set `tokenizer.response_template`),
+  `tokenizer.parse_response` reads the turn, so any call format a template describes works.
+  Otherwise the format is Hermes (the chat templates of Qwen2.5, Qwen3, Hermes and SmolLM3 use
+  it): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, several per turn, `arguments`
+  also as a JSON string. A chat template that writes calls in another format, with no
+  `response_template` to read them, is an error at construction (`check_tool_call_format`).
+  A turn with a call that cannot be read (not JSON, no name) is plain text with no call, so the
+  episode ends there, as in TRL and in vLLM's tool parsers at inference: a malformed call is no
+  call. A turn with calls becomes `{"role": "assistant", "content": <text outside the calls>,
+  "tool_calls": [{"type": "function", "function": {"name", "arguments"}}]}` (transformers' shape).
 - Running: every call against the given functions (plain or `async def`), each in its own thread
-  with a timeout; an unknown tool, bad arguments, a raising tool or a timeout give an
-  "Error: ..." message, so one bad call never stops training. Calls of one episode run in order
-  (an environment's state may depend on it), episodes run concurrently. A call that times out is
-  abandoned, not killed: its thread runs on in the background (Python cannot stop a thread).
+  with a timeout. An unknown tool, arguments that do not fit, a raising tool or a timeout give the
+  tool message `{"error": "..."}` and count as a failed call, so one bad call never stops training.
+  Calls of one episode run in order (an environment's state may depend on it), episodes run
+  concurrently. A call that times out is abandoned, not killed: its thread runs on in the
+  background (Python cannot stop a thread). A result is sent as is when it is a str, else as JSON.
 - Rendering: tool messages become the tokens the chat template puts between the model's turn
   and the next assistant turn (`ToolResultRenderer`), found by rendering a conversation with and
   without them, so every template that renders `tool` messages works without per-model code.
@@ -32,6 +41,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import get_json_schema
 
@@ -40,11 +50,20 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 @dataclass
 class ToolCall:
-    """One parsed call: the tool's name and keyword arguments, or why the call could not be read."""
+    """One parsed call: the tool's name and arguments, or why the call cannot be made."""
 
     name: str
-    arguments: dict
+    arguments: object
     error: str | None = None
+
+
+@dataclass
+class ToolResult:
+    """The tool message answering one call, and whether the call failed or timed out."""
+
+    message: dict
+    failed: bool = False
+    timed_out: bool = False
 
 
 def tool_registry(tools: list[Callable]) -> dict[str, Callable]:
@@ -61,46 +80,42 @@ def tool_registry(tools: list[Callable]) -> dict[str, Callable]:
 
 
 class Toolbox:
-    """The tools of a run: shared functions (`tools=`) and, per episode, the methods of a fresh
-    environment (`environment_factory=`), whose `reset(**dataset_columns)`, if it has one, is called
-    with the episode's dataset row before the episode starts.
+    """The tools of a run: the shared functions (`tools=`) and, per environment name, that
+    environment's methods, read from one instance of it (`EnvironmentPool.probes`).
 
-    Checked once, before any model work: every tool has a name and a schema, no two share a name.
-    One environment is made for that; every environment the factory makes must have the same
-    methods, since the prompt describes the tools once.
+    Checked once, before any model work: every tool has a name and a schema, and no environment
+    method shares a name with a shared tool. `schemas[name]` describes the tools of a row of
+    environment `name` (None: no environment, or a single factory); `tools` is every tool of the run.
     """
 
-    def __init__(self, tools: list[Callable] | None, environment_factory: Callable[[], object] | None):
+    def __init__(self, tools: list[Callable] | None, environments: dict[str | None, object] | None = None):
         self.shared = tool_registry(tools or [])
-        self.environment_factory = environment_factory
-        own = environment_tools(environment_factory()) if environment_factory is not None else []
-        clash = sorted(self.shared.keys() & {t.__name__ for t in own})
-        if clash:
-            raise ValueError(f"tools: {clash} are both in tools= and methods of the environment; rename one.")
-        every = {**self.shared, **tool_registry(own)}
-        if not every:
-            raise ValueError(
-                "tools / environment_factory give no tool; pass functions or an environment with methods."
-            )
-        self.schemas = tool_schemas(every)
+        own = {
+            name: tool_registry(environment_tools(env)) if env is not None else {}
+            for name, env in (environments or {None: None}).items()
+        }
+        for registry in own.values():
+            clash = sorted(self.shared.keys() & registry.keys())
+            if clash:
+                raise ValueError(
+                    f"tools: {clash} are both in tools= and methods of an environment; rename one."
+                )
+        self.schemas = {name: tool_schemas({**self.shared, **registry}) for name, registry in own.items()}
+        self.tools = [
+            *self.shared.values(),
+            *(tool for registry in own.values() for tool in registry.values()),
+        ]
 
-    def for_episodes(self, rows: list[dict]) -> tuple[list[dict[str, Callable]], list[object] | None]:
-        """Each episode's tools by name, and its environment (None without an environment_factory)."""
-        if self.environment_factory is None:
-            return [self.shared] * len(rows), None
-        environments = []
-        for row in rows:
-            environment = self.environment_factory()
-            if callable(getattr(environment, "reset", None)):
-                environment.reset(**{k: v for k, v in row.items() if k != "prompt"})
-            environments.append(environment)
-        tools = [{**self.shared, **tool_registry(environment_tools(e))} for e in environments]
-        return tools, environments
+    def for_episodes(self, environments: list[object] | None, rows: int) -> list[dict[str, Callable]]:
+        """Each episode's tools by name: the shared ones and its environment's bound methods."""
+        if environments is None:
+            return [self.shared] * rows
+        return [{**self.shared, **tool_registry(environment_tools(e))} for e in environments]
 
 
 def environment_tools(environment: object) -> list[Callable]:
-    """An environment's tools: its public methods (bound), `reset` excepted."""
-    names = [n for n in dir(type(environment)) if not n.startswith("_") and n != "reset"]
+    """An environment's tools: its public methods (bound), `reset` and `get_reward` excepted."""
+    names = [n for n in dir(type(environment)) if not n.startswith("_") and n not in ("reset", "get_reward")]
     return [getattr(environment, n) for n in names if inspect.isfunction(getattr(type(environment), n))]
 
 
@@ -138,6 +153,8 @@ def tool_system_prompt(schemas: list[dict]) -> str:
 def render_tool_prompt(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], schemas: list[dict]) -> str:
     """A chat prompt with its tools described: by the chat template, or in the system message."""
     plain = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    if not schemas:
+        return plain
     with_tools = tokenizer.apply_chat_template(
         prompt, tools=schemas, tokenize=False, add_generation_prompt=True
     )
@@ -151,54 +168,115 @@ def render_tool_prompt(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], s
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
+def check_tool_call_format(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Fail when the chat template writes tool calls in a format other than Hermes and the tokenizer
+    has no `response_template` to read them (the calls the model writes would never be seen)."""
+    if getattr(tokenizer, "response_template", None) is not None:
+        return
+    call = {"type": "function", "function": {"name": "probe_tool_7f3a", "arguments": {"x": 1}}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except (TemplateError, TypeError):  # the template cannot write calls: the system prompt teaches Hermes
+        return
+    if "probe_tool_7f3a" in text and "<tool_call>" not in text:
+        raise ValueError(
+            "The chat template writes tool calls in a format other than Hermes <tool_call>{...}</tool_call>, and the "
+            "tokenizer has no response_template to parse them. Set tokenizer.response_template (transformers' "
+            "response parsing, see its chat_response_parsing docs) for this model's format and pass the tokenizer "
+            "as processing_class."
+        )
+
+
+class TurnParser:
+    """A model turn -> its assistant message and its tool calls (see the module docstring)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        self.templated = getattr(tokenizer, "response_template", None) is not None
+
+    def __call__(
+        self, tokens: list[int], context: list[int], schemas: list[dict]
+    ) -> tuple[dict, list[ToolCall]]:
+        """The turn's message and calls; `context` is what preceded the turn, `schemas` the row's tools."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        if self.templated:
+            try:
+                parsed = self.tokenizer.parse_response(tokens, prefix=context, tools=schemas or None)
+                if not isinstance(parsed, dict):  # a turn cut so short that nothing was read
+                    raise ValueError("parse_response read no message")
+                calls = _calls_of(parsed.pop("tool_calls", None) or [])
+            except (ValueError, TypeError):  # a call it cannot read: the turn is text
+                return {"role": "assistant", "content": text}, []
+            content = parsed.get("content") or ""
+            eos = self.tokenizer.eos_token
+            message = {**parsed, "content": content.removesuffix(eos) if eos else content}
+        else:
+            calls = parse_tool_calls(text)
+            message = {"role": "assistant", "content": TOOL_CALL.sub("", text).strip() if calls else text}
+        if calls:
+            message["tool_calls"] = [
+                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+            ]
+        return message, calls
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in a turn, in order."""
-    calls = []
+    """Every Hermes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in a turn, in order;
+    none if any of them cannot be read (not a JSON object, no name)."""
+    payloads = []
     for body in TOOL_CALL.findall(text):
         try:
-            payload = json.loads(body)
-        except json.JSONDecodeError as err:
-            calls.append(ToolCall("", {}, f"the tool call is not valid JSON ({err.msg}): {body.strip()!r}"))
-            continue
-        name = payload.get("name") if isinstance(payload, dict) else None
-        arguments = payload.get("arguments", {}) if isinstance(payload, dict) else None
+            payloads.append(json.loads(body))
+        except json.JSONDecodeError:
+            return []
+    try:
+        return _calls_of(payloads)
+    except ValueError:
+        return []
+
+
+def _calls_of(payloads: list) -> list[ToolCall]:
+    """Calls from `{"name", "arguments"}` objects (or `{"type", "function": {...}}`); ValueError
+    when one has no name. Missing arguments are {}; arguments that are not an object (after
+    decoding a JSON string) make a call that fails, as does a type other than "function"."""
+    calls = []
+    for payload in payloads:
+        function = payload.get("function", payload) if isinstance(payload, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"a tool call needs a name: {payload!r}")
+        arguments = function.get("arguments")
+        arguments = {} if arguments is None else arguments
         if isinstance(arguments, str):  # some templates write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
-                arguments = None
-        if not isinstance(name, str) or not isinstance(arguments, dict):
-            calls.append(
-                ToolCall(
-                    name if isinstance(name, str) else "",
-                    {},
-                    'a tool call needs {"name": str, "arguments": object}; got ' + body.strip(),
-                )
-            )
-            continue
-        calls.append(ToolCall(name, arguments))
+                pass
+        error = None
+        if payload.get("type", "function") != "function":
+            error = f"unsupported tool call type {payload['type']!r}"
+        elif not isinstance(arguments, dict):
+            error = f"the arguments of {function['name']} must be a JSON object, got {arguments!r}"
+        calls.append(ToolCall(function["name"], arguments, error))
     return calls
 
 
-def run_tool_calls(calls: list[ToolCall], tools: dict[str, Callable], timeout: float) -> list[dict]:
-    """One tool message per call, in order; failures become "Error: ..." messages instead of exceptions."""
-    return [
-        {"role": "tool", "name": call.name, "content": _run_with_timeout(call, tools, timeout)}
-        for call in calls
-    ]
+def run_tool_calls(calls: list[ToolCall], tools: dict[str, Callable], timeout: float) -> list[ToolResult]:
+    """One tool message per call, in order; failures become `{"error": ...}` messages, not exceptions."""
+    return [_run_with_timeout(call, tools, timeout) for call in calls]
 
 
 def is_tool_error(message: dict) -> bool:
-    """Whether a tool message reports a failed call (the "Error: ..." messages of `run_tool_calls`)."""
-    return str(message.get("content")).startswith("Error: ")
+    """Whether a tool message reports a failed call (`{"error": ...}`, from `run_tool_calls` or the tool)."""
+    return str(message.get("content")).startswith('{"error": ')
 
 
 def run_episode_calls(
     calls: list[list[ToolCall]], tools: list[dict[str, Callable]], timeout: float
-) -> list[list[dict]]:
+) -> list[list[ToolResult]]:
     """`run_tool_calls` for several episodes at once: episodes concurrently, each one's calls in order."""
     busy = [i for i, episode in enumerate(calls) if episode]
-    results: list[list[dict]] = [[] for _ in calls]
+    results: list[list[ToolResult]] = [[] for _ in calls]
     if not busy:
         return results
     with ThreadPoolExecutor(max_workers=min(len(busy), 64)) as pool:
@@ -208,27 +286,39 @@ def run_episode_calls(
     return results
 
 
-def _run_with_timeout(call: ToolCall, tools: dict[str, Callable], timeout: float) -> str:
+def _run_with_timeout(call: ToolCall, tools: dict[str, Callable], timeout: float) -> ToolResult:
     """`_run` in a daemon thread, abandoned after `timeout` seconds."""
-    outcome: list[str] = []
+    outcome: list[tuple[str, bool]] = []
     worker = threading.Thread(target=lambda: outcome.append(_run(call, tools)), daemon=True)
     worker.start()
     worker.join(timeout)
     if not outcome:
-        return f"Error: {call.name} did not return within {timeout:g} s."
-    return outcome[0]
+        return ToolResult(
+            _tool_message(call, _error(f"{call.name} did not return within {timeout:g} s.")), True, True
+        )
+    content, failed = outcome[0]
+    return ToolResult(_tool_message(call, content), failed)
 
 
-def _run(call: ToolCall, tools: dict[str, Callable]) -> str:
+def _tool_message(call: ToolCall, content: str) -> dict:
+    return {"role": "tool", "name": call.name, "content": content}
+
+
+def _error(reason: str) -> str:
+    return json.dumps({"error": reason})
+
+
+def _run(call: ToolCall, tools: dict[str, Callable]) -> tuple[str, bool]:
+    """The call's result as text, and whether it failed."""
     if call.error is not None:
-        return f"Error: {call.error}"
+        return _error(call.error), True
     tool = tools.get(call.name)
     if tool is None:
-        return f"Error: unknown tool {call.name!r}; the tools are {sorted(tools)}."
+        return _error(f"unknown tool {call.name!r}; the tools are {sorted(tools)}."), True
     try:
         inspect.signature(tool).bind(**call.arguments)
     except TypeError as err:
-        return f"Error: wrong arguments for {call.name}: {err}."
+        return _error(f"wrong arguments for {call.name}: {err}."), True
     except ValueError:  # no signature to check against (a builtin): let the call tell
         pass
     try:
@@ -237,8 +327,8 @@ def _run(call: ToolCall, tools: dict[str, Callable]) -> str:
         else:
             result = tool(**call.arguments)
     except Exception as err:  # a tool failing on the policy's input is feedback, not a crash
-        return f"Error: {call.name} raised {type(err).__name__}: {err}"
-    return result if isinstance(result, str) else json.dumps(result, default=str)
+        return _error(f"{call.name} raised {type(err).__name__}: {err}"), True
+    return (result if isinstance(result, str) else json.dumps(result, default=str)), False
 
 
 class ToolResultRenderer:

@@ -9,8 +9,10 @@ How one generation round flows through the Trainer's loop:
   the result into `steps_per_generation` micro-batches that the following micro-steps consume.
 - With `dynamic_sampling` (DAPO), groups whose rewards are all equal are replaced by groups from
   extra generation rounds before the advantages are computed (`dynamic_sampling`).
-- With `tools` / `environment_factory` a rollout is a multi-turn episode (`multi_turn`): the
-  model's turns and the tool results between them, the results masked out of the loss.
+- With `environment_factory` each row's episode gets an environment from a pool (`environments`):
+  reset with the row, it may supply the prompt and the reward. With tools (`tools=` or environment
+  methods) a rollout is a multi-turn episode (`multi_turn`): the model's turns and the tool results
+  between them, the results masked out of the loss.
 - `compute_loss` is per-token log-probs of the completion tokens plus the pure `grpo_loss`.
 The maths lives in `advantages`, `loss` and `logprobs`; this file only orchestrates.
 """
@@ -52,10 +54,17 @@ from grpo_hf.dynamic_sampling import ScoredRound, gather_round, sample_teaching_
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.logprobs import completion_logps
+from grpo_hf.environments import (
+    EMPTY_PROMPT,
+    EnvironmentFactory,
+    EnvironmentPool,
+    check_reward_source,
+    train_dataset_or_placeholder,
+)
 from grpo_hf.loss import adaptive_beta, grpo_loss, sampler_is_weights
 from grpo_hf.metrics import IntervalMetrics, log_completion_table, round_metrics
 from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
-from grpo_hf.multi_turn import episode_metrics, tool_episodes
+from grpo_hf.multi_turn import episode_counts, tool_episodes, tool_metrics
 from grpo_hf.reference import build_reference, is_peft_model, mix_into_reference, reference_context
 from grpo_hf.scoring import RewardFunc, RewardModel, reward_functions, reward_name, score_completions
 from grpo_hf.sharding import (
@@ -64,7 +73,7 @@ from grpo_hf.sharding import (
     unsharded_for_generation,
     zero3_partitioned,
 )
-from grpo_hf.tools import Toolbox
+from grpo_hf.tools import Toolbox, check_tool_call_format
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +94,7 @@ class GRPOTrainer(Trainer):
     def __init__(
         self,
         model: str | PreTrainedModel,
-        reward_funcs: RewardFunc | str | PreTrainedModel | list,
+        reward_funcs: RewardFunc | str | PreTrainedModel | list | None = None,
         args: GRPOConfig | None = None,
         train_dataset: Dataset | None = None,
         eval_dataset: Dataset | None = None,
@@ -94,17 +103,30 @@ class GRPOTrainer(Trainer):
         peft_config: PeftConfig | None = None,
         ref_model: str | PreTrainedModel | None = None,
         tools: list[Callable] | None = None,
-        environment_factory: Callable[[], object] | None = None,
+        environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None = None,
         **kwargs,
     ):
         args = GRPOConfig(output_dir="outputs/grpo") if args is None else args
-        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            if dataset is not None:
-                check_prompt_dataset(dataset, name, needs_chat=bool(tools or environment_factory))
-        self.toolbox = Toolbox(tools, environment_factory) if tools or environment_factory else None
+        pool = self.environment_pool = (
+            EnvironmentPool(environment_factory) if environment_factory is not None else None
+        )
         if eval_dataset is not None:
             args.check_eval_batch()
+        train_dataset = train_dataset_or_placeholder(train_dataset, pool, args)
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if dataset is not None:
+                check_prompt_dataset(
+                    dataset, name, needs_chat=bool(tools or pool), prompt_optional=bool(pool)
+                )
+                if pool is not None:
+                    pool.check_dataset(dataset, name)
+        toolbox = Toolbox(tools, pool.probes if pool else None)
+        self.toolbox, self.tools = (toolbox if toolbox.tools else None), toolbox.tools
+        self.environments: list | None = None  # the environments of the latest rollouts (TRL's attribute)
         self.reward_funcs = reward_functions(reward_funcs, reward_processing_classes, args.reward_weights)
+        weights = args.reward_weights or [1.0] * len(self.reward_funcs)
+        self.reward_funcs += pool.reward_functions() if pool else []  # weight 1 each, as in TRL
+        check_reward_source(self.reward_funcs)
         if isinstance(model, str):
             processing_class = processing_class or load_tokenizer(model)
             model = load_model(model)
@@ -115,6 +137,8 @@ class GRPOTrainer(Trainer):
                 "The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos_token) and pass it "
                 "as processing_class."
             )
+        if self.toolbox is not None:
+            check_tool_call_format(processing_class)
         if args.disable_dropout:
             disable_dropout(model)
         if peft_config is not None:
@@ -140,7 +164,7 @@ class GRPOTrainer(Trainer):
         self._log_precision()
         self.generation_copy = self._build_generation_copy()
         self.reward_weights = torch.tensor(
-            args.reward_weights or [1.0] * len(self.reward_funcs), dtype=torch.float32
+            weights + [1.0] * (len(self.reward_funcs) - len(weights)), dtype=torch.float32
         )
         self.beta = args.beta
         self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
@@ -184,8 +208,6 @@ class GRPOTrainer(Trainer):
 
     def get_train_dataloader(self):
         """One batch per micro-step: this process's slice of a whole generation batch."""
-        if self.train_dataset is None:
-            raise ValueError("GRPOTrainer needs a train_dataset to train.")
         return self._get_dataloader(
             dataset=self.train_dataset,
             description="Training",
@@ -304,13 +326,15 @@ class GRPOTrainer(Trainer):
     def _sample_and_score(self, rows: list[dict]) -> ScoredRound:
         """Generate one completion per row (rows repeat each prompt G times) and score them."""
         args, device = self.args, self.accelerator.device
-        prompts = [row["prompt"] for row in rows]
+        prompts = [row.get("prompt", EMPTY_PROMPT) for row in rows]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         start = time.perf_counter()
+        names = None
+        if self.environment_pool is not None:
+            self.environments, names, prompts = self.environment_pool.start_episodes(rows)
+            columns["environments"] = self.environments
         if self.toolbox is not None:
-            result, completions, environments = self._tool_episodes(rows)
-            if environments is not None:
-                columns["environments"] = environments
+            result, completions = self._tool_episodes(prompts, names)
         else:
             prompt_ids, prompt_mask = rollout.tokenize_prompts(
                 self.processing_class,
@@ -332,14 +356,15 @@ class GRPOTrainer(Trainer):
         )
         return ScoredRound(result, prompts, completions, rewards_per_func, errors, retried, seconds)
 
-    def _tool_episodes(self, rows: list[dict]) -> tuple[rollout.Rollout, list[list[dict]], list | None]:
-        """Multi-turn episodes with the run's tools: rollout, messages, environments (or None)."""
+    def _tool_episodes(
+        self, prompts: list[list[dict]], names: list | None
+    ) -> tuple[rollout.Rollout, list[list[dict]]]:
+        """Multi-turn episodes with each row's tools (of `self.environments[i]`, named `names[i]`)."""
         args = self.args
-        tools, environments = self.toolbox.for_episodes(rows)
         result, messages, episodes = tool_episodes(
-            [row["prompt"] for row in rows],
-            tools,
-            self.toolbox.schemas,
+            prompts,
+            self.toolbox.for_episodes(self.environments, len(prompts)),
+            [self.toolbox.schemas[name] for name in names or [None] * len(prompts)],
             self.processing_class,
             self.generate_completions,
             max_prompt_length=args.max_prompt_length,
@@ -348,8 +373,13 @@ class GRPOTrainer(Trainer):
             timeout=args.tool_timeout,
             device=self.accelerator.device,
         )
-        self.record(episode_metrics(episodes))
-        return result, messages, environments
+        if self.environments is not None:  # an abandoned call may still be running on its environment
+            self.environment_pool.discard(
+                [e for e, ep in zip(self.environments, episodes, strict=True) if ep.timed_out]
+            )
+        counts = torch.tensor(episode_counts(episodes), device=self.accelerator.device)  # (4,)
+        self.record(tool_metrics(self.accelerator.gather(counts).view(-1, 4).sum(dim=0).tolist()))
+        return result, messages
 
     def _dynamically_sampled(self, first: ScoredRound) -> ScoredRound:
         """DAPO dynamic sampling: this process's share of a batch of groups that teach."""
@@ -546,7 +576,9 @@ class GRPOTrainer(Trainer):
 
     def _record_round(self, result, rewards_per_func, rewards, advantages, error_counts, seconds) -> None:
         gather = self.accelerator.gather
-        lengths = gather(result.completion_mask.sum(dim=1).float())  # (N,)
+        generated = result.completion_mask  # (B, C); tool results are not the model's tokens (as TRL counts)
+        generated = generated if result.tool_mask is None else generated * (1 - result.tool_mask)
+        lengths = gather(generated.sum(dim=1).float())  # (N,)
         values = round_metrics(
             rewards,
             gather(rewards_per_func),

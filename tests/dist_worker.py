@@ -161,7 +161,8 @@ class UnevenStopTrainer(SamplingTrainer):
 
 class ToolEpisodesTrainer(RecordingTrainer):
     """Scripted two-turn episodes: the first turn calls `add` with a = 10 ** (the row's place in its
-    group), the turn after the tool result answers "done". Rows are counted over the whole batch as
+    group; the last place calls an unknown tool, a failed call), the turn after the tool result
+    answers "done". Rows are counted over the whole batch as
     in `FixedCompletionsTrainer` (every episode has both turns, so each turn sees the whole local
     batch), so 1 and N processes run the same episodes."""
 
@@ -172,7 +173,8 @@ class ToolEpisodesTrainer(RecordingTrainer):
         for i, (ids, mask) in enumerate(zip(prompt_ids, prompt_mask, strict=True)):
             place = (offset + i) % self.args.num_generations
             answered = "<|im_start|>tool" in tokenizer.decode(ids[mask.bool()])
-            call = f'<tool_call>{{"name": "add", "arguments": {{"a": {10**place}, "b": 3}}}}</tool_call>'
+            name = "sub" if place == self.args.num_generations - 1 else "add"
+            call = f'<tool_call>{{"name": "{name}", "arguments": {{"a": {10**place}, "b": 3}}}}</tool_call>'
             tokens = tokenizer("done" if answered else call, add_special_tokens=False)["input_ids"]
             rows.append((tokens + [self.eos_token_ids[0]] + [tokenizer.pad_token_id] * width)[:width])
         completion_ids = torch.tensor(rows, device=prompt_ids.device)  # (B, C)

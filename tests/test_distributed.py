@@ -61,7 +61,9 @@ GLOBAL_METRICS = [
     "frac_reward_zero_std", "advantage/abs_mean", "advantage/min", "advantage/max",
     "completions/mean_length", "completions/min_length", "completions/max_length",
     "completions/clipped_ratio", "reward_errors", "beta", "dynamic_sampling/extra_rounds",
-    "dynamic_sampling/groups_dropped", "dynamic_sampling/groups_filled",
+    "dynamic_sampling/groups_dropped", "dynamic_sampling/groups_filled", "tools/call_frequency",
+    "tools/failure_frequency", "tools/calls_per_episode", "tools/failed_calls_per_episode",
+    "tools/turns_per_episode",
 ]  # fmt: skip
 # Token means over every active token of the logging interval, on every process.
 TOKEN_MEAN_METRICS = ["kl", "entropy", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"]

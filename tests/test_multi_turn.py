@@ -17,6 +17,7 @@ from grpo_hf.tools import tool_registry
 TOKENIZER = tiny_tokenizer()
 EOS = TOKENIZER.eos_token_id
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+ADD_2_3 = {"name": "add", "arguments": {"a": 2, "b": 3}}
 TOOL_5 = (
     "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"  # a tool message, as the template writes it
 )
@@ -68,7 +69,7 @@ def episodes(turns: dict[str, list[str]], max_completion_length: int = 256, max_
     result, messages, eps = tool_episodes(
         prompts,
         [tool_registry([add])] * len(prompts),
-        [],
+        [[]] * len(prompts),
         TOKENIZER,
         script,
         max_prompt_length=None,
@@ -95,7 +96,7 @@ def test_a_tool_call_gets_its_result_and_the_model_answers_after_it():
     assert result.tool_mask[1].sum() == 0
     assert not result.truncated.any()
     assert messages[0] == [
-        {"role": "assistant", "content": CALL},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": ADD_2_3}]},
         {"role": "tool", "name": "add", "content": "5"},
         {"role": "assistant", "content": "5"},
     ]
@@ -106,20 +107,29 @@ def test_a_tool_call_gets_its_result_and_the_model_answers_after_it():
     assert accuracy_reward(completions=messages, answer=["5", "5"]) == [1.0, 0.0]
 
 
-def test_a_malformed_call_is_answered_with_an_error_and_counted():
-    _, messages, eps, _ = episodes(
-        {"row0": ['<tool_call>{"name": "add", "arguments": {"a": 2</tool_call>', "5"]}
-    )
-    assert messages[0][1]["content"].startswith("Error: the tool call is not valid JSON")
+def test_a_malformed_call_ends_the_episode_as_plain_text():
+    broken = '<tool_call>{"name": "add", "arguments": {"a": 2</tool_call>'
+    result, messages, eps, script = episodes({"row0": [broken, "5"]})
+    assert messages[0] == [{"role": "assistant", "content": broken}]
+    assert (eps[0].tool_calls, eps[0].failed_calls) == (0, 0)  # no call was made
+    assert len(script.calls) == 1 and not result.truncated[0]
+
+
+def test_a_call_of_an_unknown_tool_is_answered_with_an_error_and_counted_as_failed():
+    nope = '<tool_call>{"name": "sub", "arguments": {"a": 2}}</tool_call>'
+    _, messages, eps, _ = episodes({"row0": [nope, "5"]})
+    assert messages[0][1]["content"] == "{\"error\": \"unknown tool 'sub'; the tools are ['add'].\"}"
     assert (eps[0].tool_calls, eps[0].failed_calls) == (1, 1)
     assert messages[0][-1] == {"role": "assistant", "content": "5"}
 
 
-def test_calls_past_max_iterations_are_left_unanswered():
-    result, messages, eps, script = episodes({"row0": [CALL, CALL, CALL, "5"]}, max_iterations=2)
-    assert [m["role"] for m in messages[0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
-    assert eps[0].tool_calls == 3 and not result.truncated[0]
-    assert len(script.calls) == 3
+@pytest.mark.parametrize(("max_iterations", "answered"), [(0, 0), (2, 2)])
+def test_calls_past_max_iterations_are_left_unanswered(max_iterations, answered):
+    result, messages, eps, script = episodes({"row0": [CALL, CALL, CALL, "5"]}, max_iterations=max_iterations)
+    assert [m["role"] for m in messages[0]] == ["assistant", "tool"] * answered + ["assistant"]
+    assert "tool_calls" in messages[0][-1]  # the last turn called, unanswered
+    assert eps[0].tool_calls == answered and not result.truncated[0]  # answered calls count, as in TRL
+    assert len(script.calls) == answered + 1
 
 
 def test_a_turn_without_eos_truncates_the_episode():
@@ -229,6 +239,12 @@ def test_trainer_runs_episodes_hands_environments_to_rewards_and_masks_tool_toke
     logged = trainer.state.log_history[0]
     assert logged["tools/calls_per_episode"] == 1.0 and logged["tools/failed_calls_per_episode"] == 0.0
     assert logged["tools/turns_per_episode"] == 2.0
+    assert logged["tools/call_frequency"] == 1.0 and logged["tools/failure_frequency"] == 0.0
+    # Lengths count the model's tokens only (as TRL): the call turn and "done", each with EOS; row1's
+    # call says 10 where row0's says 0 (one byte more); 4 episodes of each.
+    row0 = len(ids_of('<tool_call>{"name": "deposit", "arguments": {"amount": 0}}</tool_call>')) + 1 + 5
+    assert logged["completions/mean_length"] == row0 + 0.5
+    assert logged["completions/max_length"] == row0 + 1
 
 
 def test_trainer_with_tools_trains_on_a_real_decoder(tmp_path):
@@ -251,7 +267,7 @@ def test_trainer_with_tools_trains_on_a_real_decoder(tmp_path):
 
 def test_tools_need_chat_prompts_and_a_free_environments_column(tmp_path):
     args = make_config(tmp_path)
-    with pytest.raises(ValueError, match="tools need chat prompts"):
+    with pytest.raises(ValueError, match="tools and environments need chat prompts"):
         GRPOTrainer(
             tiny_llama(),
             balance_reward,

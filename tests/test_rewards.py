@@ -368,7 +368,7 @@ def test_tool_use_reward_needs_a_tool_result_that_is_not_an_error():
         [call, {"role": "tool", "content": "69104"}, {"role": "assistant", "content": "69104"}],
         [
             call,
-            {"role": "tool", "content": "Error: unknown tool 'calc'"},
+            {"role": "tool", "content": '{"error": "unknown tool \'calc\'"}'},
             {"role": "assistant", "content": "1"},
         ],
         [{"role": "assistant", "content": "69104"}],

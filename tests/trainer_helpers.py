@@ -22,8 +22,9 @@ def chat_dataset(n: int = 8) -> Dataset:
 
 
 def length_reward(completions, **kwargs) -> list[float]:
-    """Longer completions score higher: enough signal to move parameters."""
-    return [len(c[0]["content"] if isinstance(c, list) else c) / 10 for c in completions]
+    """Longer completions score higher: enough signal to move parameters. A chat completion's length is
+    that of all its messages' contents (a multi-turn one's turns and tool results)."""
+    return [(sum(len(m["content"]) for m in c) if isinstance(c, list) else len(c)) / 10 for c in completions]
 
 
 def make_config(tmp_path, **overrides) -> GRPOConfig:
