@@ -3,7 +3,8 @@
 A reward function that awaits something (a judge model behind an HTTP API, a sandbox) is written
 `async def name(completions, **kwargs) -> list[float | None]`, with the same contract as a plain
 one. For each scoring call `AsyncRewardCalls` starts one event loop on a helper thread and awaits
-every async function on the whole batch with `asyncio.gather`, while the caller runs the plain
+every async function on the whole batch (each with its own keyword arguments: its own `log_extra`
+and `log_metric`) with `asyncio.gather`, while the caller runs the plain
 functions and reward models as usual; `outcome(func)` then waits for that function's result (or
 its exception). The caller checks the output and handles errors exactly as for a plain function;
 its retry one completion at a time calls `blocking(func)`, which runs each call in its own loop.
@@ -30,9 +31,10 @@ class AsyncRewardCalls:
     outlives the scoring call, even when a plain reward function raised in the meantime.
     """
 
-    def __init__(self, funcs: list, kwargs: dict) -> None:
-        self._funcs = [func for func in funcs if is_async_reward(func)]
-        self._kwargs = kwargs
+    def __init__(self, calls: list[tuple[Callable, dict]]) -> None:
+        """`calls`: each async reward function with the keyword arguments to call it with."""
+        self._funcs = [func for func, _ in calls]
+        self._kwargs = [kwargs for _, kwargs in calls]
         self._executor: ThreadPoolExecutor | None = None
         self._future: Future | None = None
 
@@ -47,7 +49,7 @@ class AsyncRewardCalls:
             self._executor.shutdown(wait=True)
 
     async def _gather(self) -> list:
-        calls = [func(**self._kwargs) for func in self._funcs]
+        calls = [func(**kwargs) for func, kwargs in zip(self._funcs, self._kwargs, strict=True)]
         return await asyncio.gather(*calls, return_exceptions=True)
 
     def outcome(self, func: Callable) -> object:

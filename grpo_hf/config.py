@@ -6,11 +6,13 @@ produces `generation_batch_size` completions across all processes and feeds
 `steps_per_generation` micro-steps, `num_iterations` times over (the seeds' "ppo_epochs").
 """
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainingArguments
 
+from grpo_hf.advantages import AGGREGATIONS
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.decoding import DECODERS
 
@@ -72,9 +74,21 @@ class GRPOConfig(TrainingArguments):
     reward_weights: list[float] | None = field(
         default=None, metadata={"help": "One weight per reward function; default all 1.0."}
     )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "How several reward functions combine: 'sum_then_normalize' (the weighted sum of the rewards, "
+            "then the advantage per scale_rewards) or 'normalize_then_sum' (GDPO, arXiv 2601.05242: each "
+            "function's rewards normalised within their group, their weighted sum then centred and scaled over "
+            "the whole batch; scale_rewards does not apply)."
+        },
+    )
     scale_rewards: str = field(
         default="group",
-        metadata={"help": "Advantage scale: 'group' std (DeepSeekMath), 'batch' std, or 'none' (Dr. GRPO)."},
+        metadata={
+            "help": "Advantage scale: 'group' std (DeepSeekMath), 'batch' std, or 'none' (Dr. GRPO); "
+            "True / False (also 'true' / 'false' from the command line) mean 'group' / 'none', as in TRL."
+        },
     )
     reward_error_policy: str = field(
         default="raise",
@@ -218,9 +232,34 @@ class GRPOConfig(TrainingArguments):
 
     # ---- Logging and faults ----------------------------------------------------------------------
     log_completions: bool = field(
-        default=False, metadata={"help": "Log a table of sample completions with their rewards."}
+        default=False,
+        metadata={
+            "help": "At each log, a table of the latest round's completions with each reward, the advantage and "
+            "the reward functions' log_extra columns: printed, sent to wandb, and written to "
+            "<output_dir>/completions/completions_<step>.parquet."
+        },
     )
-    num_completions_to_print: int = field(default=4, metadata={"help": "Rows of the completions table."})
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "Completions of the table printed, drawn at random; None: all (TRL)."}
+    )
+    log_unique_prompts: bool = field(
+        default=False, metadata={"help": "The wandb completions table keeps one row per prompt (as in TRL)."}
+    )
+    log_completions_hub_repo: str | None = field(
+        default=None,
+        metadata={
+            "help": "A Hub dataset repo ('user/name', or 'name' under the logged-in user; private with "
+            "hub_private_repo) the completion files are uploaded to, at most every 2 minutes and at the end of "
+            "training. Needs log_completions."
+        },
+    )
+    log_multimodal: bool = field(
+        default=True,
+        metadata={
+            "help": "Accepted for TRL configs; has no effect: grpo-hf trains on text prompts only, so there are "
+            "no images or videos to log."
+        },
+    )
     max_nonfinite_steps: int = field(
         default=3, metadata={"help": "Stop after this many non-finite losses in a row (each is skipped)."}
     )
@@ -229,6 +268,7 @@ class GRPOConfig(TrainingArguments):
         self._resolve_precision()
         super().__post_init__()
         self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        self._resolve_scale_rewards()
         self._check_choices()
         self._check_ranges()
         self._resolve_generation_batch()
@@ -261,11 +301,23 @@ class GRPOConfig(TrainingArguments):
         if self.bf16 and not torch.cuda.is_available():
             self.use_cpu = True  # transformers asks for it to run bf16 on a CPU
 
+    def _resolve_scale_rewards(self) -> None:
+        """TRL's booleans: True -> 'group', False -> 'none' (strings from the command line too)."""
+        as_text = str(self.scale_rewards).lower()
+        self.scale_rewards = {"true": "group", "false": "none"}.get(as_text, self.scale_rewards)
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.scale_rewards != "group":
+            warnings.warn(
+                f"scale_rewards={self.scale_rewards!r} has no effect with multi_objective_aggregation="
+                "'normalize_then_sum': each reward is normalised within its group and their sum over the batch.",
+                stacklevel=3,
+            )
+
     def _check_choices(self) -> None:
         for name, allowed in (
             ("loss_type", LOSS_TYPES),
             ("kl_estimator", KL_ESTIMATORS),
             ("scale_rewards", SCALE_REWARDS),
+            ("multi_objective_aggregation", AGGREGATIONS),
             ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
             ("reward_error_policy", REWARD_ERROR_POLICIES),
             ("generation_backend", DECODERS),
@@ -317,6 +369,15 @@ class GRPOConfig(TrainingArguments):
                 "max_tool_calling_iterations must be >= 0 (or None: no limit)",
             ),
             (self.tool_timeout > 0, "tool_timeout must be > 0 seconds"),
+            (
+                self.num_completions_to_print is None or self.num_completions_to_print >= 0,
+                "num_completions_to_print must be >= 0 (or None: all)",
+            ),
+            (
+                self.log_completions_hub_repo is None or self.log_completions,
+                "log_completions_hub_repo is set but log_completions is False; set log_completions=True to "
+                "upload the completions, or unset log_completions_hub_repo",
+            ),
         ]
         for ok, message in checks:
             if not ok:

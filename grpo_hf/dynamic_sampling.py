@@ -7,9 +7,12 @@ generated, G completions each, a whole generation batch per extra round, until t
 `generation_batch_size / G` groups with a non-zero reward spread.
 
 What is implemented, and where it departs from the paper:
-- The decision uses the weighted reward sum gathered from every process, so every process keeps
-  the same groups; the kept groups are then laid out in generation order (earliest round first)
-  and each process takes its own contiguous share, as a regular round would give it.
+- The decision uses the aggregated reward (`advantages.aggregate_rewards`: the weighted sum, or
+  with `multi_objective_aggregation="normalize_then_sum"` the weighted sum of the per-group
+  normalised rewards, whose spread is what the advantages see) gathered from every process, so
+  every process keeps the same groups; the kept groups are then laid out in generation order
+  (earliest round first) and each process takes its own contiguous share, as a regular round
+  would give it.
 - Extra prompts come from `data.extra_prompt_indices`, a second shuffled stream over the dataset
   whose position is saved in checkpoints (the paper's code draws further batches from the same
   dataloader; here the Trainer's epochs and step counts stay those of the regular rounds).
@@ -42,6 +45,8 @@ class ScoredRound:
     errors: int  # completions scored 0 after a reward function raised (this process's)
     retried: int  # batches a reward function raised on but scored one by one (this process's)
     seconds: float  # generation time (this process's)
+    extra_rows: list[dict]  # per row: the columns reward functions logged with log_extra
+    logged_metrics: dict[str, list[float]]  # what reward functions logged with log_metric (this process's)
 
 
 def select_groups(teaching: list[bool], needed: int) -> tuple[list[int], int]:
@@ -100,12 +105,14 @@ def take_rows(scored: ScoredRound, rows: list[int]) -> ScoredRound:
         result=result,
         prompts=[scored.prompts[i] for i in rows],
         completions=[scored.completions[i] for i in rows],
+        extra_rows=[scored.extra_rows[i] for i in rows],
         rewards_per_func=scored.rewards_per_func.index_select(0, index),
     )
 
 
 def gather_round(accelerator: Accelerator, scored: ScoredRound, pad_token_id: int) -> ScoredRound:
-    """A round from every process, in global row order (errors and seconds stay this process's)."""
+    """A round from every process, in global row order (errors, seconds and logged metrics stay this
+    process's)."""
 
     def gather(tensor: torch.Tensor, value: int, left: bool = False) -> torch.Tensor:
         padded = accelerator.pad_across_processes(tensor, dim=1, pad_index=value, pad_first=left)
@@ -121,9 +128,18 @@ def gather_round(accelerator: Accelerator, scored: ScoredRound, pad_token_id: in
         None if r.sampler_logps is None else gather(r.sampler_logps, 0),
         None if r.tool_mask is None else gather(r.tool_mask, 0),
     )
-    prompts, completions = (gather_object(list(x)) for x in (scored.prompts, scored.completions))
+    prompts, completions, extra_rows = (
+        gather_object(list(x)) for x in (scored.prompts, scored.completions, scored.extra_rows)
+    )
     rewards = accelerator.gather(scored.rewards_per_func)  # (P * B, F)
-    return replace(scored, result=result, prompts=prompts, completions=completions, rewards_per_func=rewards)
+    return replace(
+        scored,
+        result=result,
+        prompts=prompts,
+        completions=completions,
+        rewards_per_func=rewards,
+        extra_rows=extra_rows,
+    )
 
 
 def sample_teaching_groups(
@@ -140,8 +156,9 @@ def sample_teaching_groups(
 
     `first` is this process's part of the regular round; `sample_more()` generates and scores this
     process's part of one more round; `gather` collects a round from every process (global row
-    order); `combine` turns (N, F) rewards into (N,) weighted sums. Every process takes the same
-    decisions, since they are made on gathered rewards, and calls `sample_more` equally often.
+    order); `combine` turns (N, F) rewards into the (N,) aggregate a group's spread is judged on.
+    Every process takes the same decisions, since they are made on gathered rewards, and calls
+    `sample_more` equally often.
     """
     local_rounds = [first]
     rounds = [gather(first)]
@@ -161,6 +178,11 @@ def sample_teaching_groups(
         errors=sum(r.errors for r in local_rounds),
         retried=sum(r.retried for r in local_rounds),
         seconds=sum(r.seconds for r in local_rounds),
+        extra_rows=[row for r in rounds for row in r.extra_rows],
+        logged_metrics={
+            name: [value for r in local_rounds for value in r.logged_metrics.get(name, [])]
+            for name in dict.fromkeys(name for r in local_rounds for name in r.logged_metrics)
+        },
     )
     rows = [g * num_generations + k for g in groups for k in range(num_generations)]
     share = len(first.prompts)

@@ -1,62 +1,166 @@
 """What training logs: a generation round's metrics from tensors gathered over every process, the
-metrics of a logging interval and their reduction over processes, and the completion table
-(printed, and sent to wandb when it is a reporter)."""
+metrics of a logging interval and their reduction over processes, and the time of a step.
 
+Where TRL 1.16's GRPO trainer logs a metric we compute, it is logged under TRL's name too:
+`rewards/<name>/mean` (= our `reward/<name>`) and `rewards/<name>/std`, the terminated-length
+statistics, `num_tokens`, `step_time`, and the clip ratios `clip_ratio/low_mean`, `high_mean`,
+`region_mean` (= our `clip_ratio/low`, `high`, `region`; `ALIASES`). `reward` and `reward_std` are
+TRL's: the weighted reward's mean and std over the whole batch, unscorable completions (None from
+every function) left out; ours, the mean of the groups' stds, is `reward_std/group_mean`.
+"""
+
+import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
+from transformers import TrainerCallback
 
-from grpo_hf.advantages import group_std_is_zero
+from grpo_hf.advantages import combine_rewards, group_std_is_zero, nan_std
+from grpo_hf.dynamic_sampling import ScoredRound
 
 
-def round_metrics(
+def reward_metrics(
     rewards: torch.Tensor,
+    aggregated: torch.Tensor,
     rewards_per_func: torch.Tensor,
     reward_names: list[str],
     advantages: torch.Tensor,
-    lengths: torch.Tensor,
-    truncated: torch.Tensor,
     num_generations: int,
 ) -> dict[str, float]:
-    """Reward, advantage and completion-length statistics of one whole generation batch.
+    """Reward and advantage statistics of one whole generation batch (NaN: left out).
 
-    rewards (N,) combined, rewards_per_func (N, F) with NaN where a function does not apply,
-    advantages (N,), lengths (N,) completion tokens, truncated (N,) 1.0 where no EOS; N counts
+    rewards (N,) weighted sums (NaN: unscorable), aggregated (N,) the reward the advantages come
+    from (`advantages.aggregate_rewards`: a group whose aggregate has no spread teaches nothing),
+    rewards_per_func (N, F) with NaN where a function does not apply, advantages (N,); N counts
     every process's completions, group by group.
     """
-    group_std = rewards.view(-1, num_generations).std(dim=1)  # (N / G,)
     values = {
-        "reward": rewards.mean().item(),
-        "reward_std": group_std.mean().item(),
-        "frac_reward_zero_std": group_std_is_zero(rewards, num_generations).float().mean().item(),
+        "reward": rewards.nanmean().item(),
+        "reward_std": nan_std(rewards).item(),
+        "reward_std/group_mean": nan_std(rewards.view(-1, num_generations), dim=1).nanmean().item(),
+        "frac_reward_zero_std": group_std_is_zero(aggregated, num_generations).float().mean().item(),
         "advantage/abs_mean": advantages.abs().mean().item(),
         "advantage/min": advantages.min().item(),
         "advantage/max": advantages.max().item(),
+    }
+    for i, name in enumerate(reward_names):
+        mean = rewards_per_func[:, i].nanmean().item()
+        values[f"reward/{name}"] = values[f"rewards/{name}/mean"] = mean
+        values[f"rewards/{name}/std"] = nan_std(rewards_per_func[:, i]).item()
+    return values
+
+
+def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """Length statistics of one whole generation batch: lengths (N,) the model's tokens of each
+    completion, truncated (N,) True where no EOS came; terminated lengths 0 when none ended (TRL)."""
+    lengths = lengths.float()  # (N,)
+    terminated = lengths[~truncated.bool()]  # (T,)
+    if terminated.numel() == 0:
+        terminated = torch.zeros(1, device=lengths.device)
+    return {
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": truncated.mean().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item(),
+        "completions/min_terminated_length": terminated.min().item(),
+        "completions/max_terminated_length": terminated.max().item(),
     }
-    for i, name in enumerate(reward_names):
-        values[f"reward/{name}"] = rewards_per_func[:, i].nanmean().item()
+
+
+def round_metrics(
+    scored: ScoredRound,
+    all_rewards: torch.Tensor,
+    aggregated: torch.Tensor,
+    all_advantages: torch.Tensor,
+    weights: torch.Tensor,
+    reward_names: list[str],
+    num_generations: int,
+    accelerator: Accelerator,
+) -> dict[str, float]:
+    """Every metric of one generation round, and its prompt + completion `tokens` over every process
+    (for `num_tokens`). `scored` holds this process's rows; the rewards (N, F), their aggregate (N,)
+    and the advantages (N,) are every process's. Every process must call it."""
+    gather, result = accelerator.gather, scored.result
+    own = result.completion_mask  # (B, C)
+    if result.tool_mask is not None:
+        own = own * (1 - result.tool_mask)  # the model's tokens only, tool results left out (TRL)
+    lengths = gather(own.sum(dim=1).float())  # (N,)
+    rewards = combine_rewards(all_rewards, weights.to(all_rewards.device))  # (N,)
+    values = reward_metrics(rewards, aggregated, all_rewards, reward_names, all_advantages, num_generations)
+    values |= completion_metrics(lengths, gather(result.truncated))
+    values |= reduce_logged_metrics(scored.logged_metrics, accelerator)
+    values["generation/tokens_per_second"] = (
+        lengths.sum().item() / max(scored.seconds, 1e-9) / accelerator.num_processes
+    )
+    counts = torch.tensor([scored.errors, scored.retried, result.prompt_mask.sum()], device=lengths.device)
+    errors, retried, prompt_tokens = gather(counts.float()).view(-1, 3).sum(dim=0).tolist()  # (3,)
+    values["reward_errors"], values["reward_retried_batches"] = errors, retried
+    values["tokens"] = prompt_tokens + lengths.sum().item()
     return values
+
+
+def reduce_logged_metrics(local: dict[str, list[float]], accelerator: Accelerator) -> dict[str, float]:
+    """The `log_metric` values of one round: each name's mean over its values on every process.
+
+    Every process must call it; a name some process did not log counts only the others' values.
+    """
+    names = sorted(set(gather_object(sorted(local))))
+    if not names:
+        return {}
+    stats = torch.tensor(
+        [[sum(local.get(name, [])), len(local.get(name, []))] for name in names],
+        dtype=torch.float64,
+        device=accelerator.device,
+    )  # (K, 2)
+    totals = accelerator.reduce(stats, "sum").tolist()  # (K, 2)
+    return {name: total / count for name, (total, count) in zip(names, totals, strict=True)}
+
+
+class StepTimer(TrainerCallback):
+    """Records `step_time` (TRL's): seconds from an optimizer step's first micro-step (generation
+    included) to the end of its optimizer update."""
+
+    def __init__(self, record: Callable[[dict[str, float]], None]):
+        self.record = record
+        self.start = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.start is not None:
+            self.record({"step_time": time.perf_counter() - self.start})
+            self.start = None
 
 
 # Logged as counts per logging interval (the same on every process), not as means of their records.
 COUNTED_METRICS = frozenset({"nonfinite_steps_skipped"})
 # Logged as the largest record of the interval over every process.
 MAXED_METRICS = frozenset({"sampler/ratio_max"})
+# Logged as the interval's last record (a running total, the same on every process).
+LATEST_METRICS = frozenset({"num_tokens"})
+# Our name -> TRL 1.16's name for the same value, logged under both.
+ALIASES = {
+    "clip_ratio/low": "clip_ratio/low_mean",
+    "clip_ratio/high": "clip_ratio/high_mean",
+    "clip_ratio/region": "clip_ratio/region_mean",
+}
 
 
 class IntervalMetrics:
     """The metric records of the current logging interval, for "train" and "eval" apart.
 
     `reduce` turns one mode's records into logged values and clears them: each metric is the mean
-    of its records over the interval and the processes, except the counts in COUNTED_METRICS
-    (summed over the interval), the maxima in MAXED_METRICS, and token means (`record_token_means`:
-    kl, entropy, clip_ratio/*, sampler/ratio_mean), means over every token of the interval on every
-    process rather than means of per-micro-batch means.
+    of its records over the interval and the processes, NaN records left out (a metric with none
+    left is not logged; TRL logs None), except the counts in COUNTED_METRICS (summed over the
+    interval), the maxima in MAXED_METRICS, the running totals in LATEST_METRICS, and token means
+    (`record_token_means`: kl, entropy, clip_ratio/*, sampler/ratio_mean), means over every token of
+    the interval on every process rather than means of per-micro-batch means. Metrics in ALIASES
+    are logged under TRL's name too.
     """
 
     def __init__(self):
@@ -79,8 +183,8 @@ class IntervalMetrics:
 
     def reduce(self, mode: str, accelerator: Accelerator) -> dict[str, float]:
         """The mode's logged values (the same on every process); every process must call it."""
-        out: dict[str, float] = {}
         records = self.values[mode]
+        out = {key: records.pop(key)[-1] for key in sorted(records.keys() & LATEST_METRICS)}
         maxed = sorted(records.keys() & MAXED_METRICS)
         if maxed:
             local = torch.tensor([max(records.pop(k)) for k in maxed], device=accelerator.device)
@@ -88,11 +192,9 @@ class IntervalMetrics:
             out.update(zip(maxed, largest, strict=True))
         if records:
             keys = sorted(records)
-            local = torch.tensor(
-                [sum(records[k]) / (1 if k in COUNTED_METRICS else len(records[k])) for k in keys],
-                device=accelerator.device,
-            )
-            out.update(zip(keys, accelerator.reduce(local, "mean").tolist(), strict=True))
+            local = torch.tensor([_sum_and_count(records[k], k in COUNTED_METRICS) for k in keys])  # (K, 2)
+            totals = accelerator.reduce(local.to(accelerator.device), "sum").tolist()  # (K, 2)
+            out.update({k: s / n for k, (s, n) in zip(keys, totals, strict=True) if n > 0})
             records.clear()
         sums = self.token_sums[mode]
         if sums:
@@ -101,18 +203,12 @@ class IntervalMetrics:
             totals = accelerator.reduce(local, "sum").tolist()  # (K, 2): token sum, tokens
             out.update({k: s / n if n > 0 else 0.0 for k, (s, n) in zip(keys, totals, strict=True)})
             sums.clear()
+        out.update({alias: out[name] for name, alias in ALIASES.items() if name in out})
         return out
 
 
-def log_completion_table(rows: list[dict], report_to: list[str], step: int) -> None:
-    """Print sample completions with their rewards, and send them to wandb as a table."""
-    lines = [f"completions at step {step}:"] + [
-        f"  [{r['reward']:+.2f}] {r['prompt'][-60:]!r} -> {r['completion'][:120]!r}" for r in rows
-    ]
-    print("\n".join(lines))
-    if "wandb" in report_to:
-        import wandb
-
-        if wandb.run is not None:
-            table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
-            wandb.log({"completions": table}, commit=False)
+def _sum_and_count(records: list[float], counted: bool) -> list[float]:
+    """[sum, count] of the non-NaN records; a count metric counts once per process (its sum is the
+    interval's count), so the reduced value is the mean of the processes' counts."""
+    valid = [value for value in records if value == value]  # NaN != NaN
+    return [sum(valid), 1.0 if counted else float(len(valid))]

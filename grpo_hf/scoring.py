@@ -2,9 +2,9 @@
 
 A reward function is called with keyword arguments only:
 `f(prompts=..., completions=..., completion_ids=..., **dataset_columns) -> list[float | None]`,
-None meaning "does not apply" (stored as NaN). Any real number is a reward (Python, NumPy or a
-one-element tensor, bools included). Its output is checked here, so a wrong length, a non-number,
-NaN or inf stops the run with the function's name instead of poisoning the advantages.
+None meaning "does not apply" (stored as NaN). Its output is checked (`reward_outputs`), so a
+wrong length, a non-number, NaN or inf stops the run with the function's name instead of
+poisoning the advantages.
 
 A function that raises on a batch is called again one completion at a time, to find the completion
 it fails on. What happens then is `reward_error_policy`:
@@ -16,14 +16,21 @@ it fails on. What happens then is `reward_error_policy`:
 - `zero`: as `retry`, and a completion that fails alone scores 0, counted in `reward_errors`.
 `async def` reward functions run concurrently with each other and with the plain ones
 (`async_rewards`); their output is checked and their errors handled the same way.
+
+As TRL does, a function also gets `trainer_state` (the Trainer's `TrainerState`), `log_extra(column,
+values)` (a column of the completions table, one value per completion) and `log_metric(name,
+value)` (a scalar, logged as its mean over the logging interval and processes), when its signature
+takes them (by name or `**kwargs`; a function without `**kwargs` that does not name them keeps
+working). What a call logs is kept only if the call succeeds (`reward_outputs.RewardLogs`). A
+completion that gets None from every function is unscorable: a warning says so (advantage 0, see
+`advantages`).
 """
 
-import math
-import numbers
+import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import (
@@ -34,6 +41,9 @@ from transformers import (
 )
 
 from grpo_hf.async_rewards import AsyncRewardCalls, blocking, is_async_reward
+from grpo_hf.reward_outputs import CallLog, RewardLogs, RewardOutputError, check_reward_values
+
+logger = logging.getLogger(__name__)
 
 RewardFunc = Callable[..., list[float | None]]
 
@@ -65,10 +75,11 @@ def load_reward_model(model: str | PreTrainedModel, tokenizer: PreTrainedTokeniz
 
 def reward_functions(
     reward_funcs: RewardFunc | str | PreTrainedModel | list | None,
-    tokenizers: list[PreTrainedTokenizerBase | None] | None,
+    tokenizers: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase | None] | None,
     reward_weights: list[float] | None,
 ) -> list[RewardFunc | RewardModel]:
-    """The reward callables and models (ids and models loaded), checked against `reward_weights`.
+    """The reward callables and models (ids and models loaded), checked against `reward_weights` and
+    `reward_processing_classes` (`tokenizers`: one, or one per function, used by reward models).
     None or [] give none (an environment's `get_reward` may be the reward)."""
     funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     if reward_weights is not None and len(reward_weights) != len(funcs):
@@ -76,15 +87,86 @@ def reward_functions(
             f"reward_weights has {len(reward_weights)} values for {len(funcs)} reward functions; "
             "give one weight per function."
         )
+    tokenizers = _per_function(tokenizers, len(funcs))
     return [
         load_reward_model(f, tok) if isinstance(f, str | PreTrainedModel) else f
-        for f, tok in zip(funcs, tokenizers or [None] * len(funcs), strict=True)
+        for f, tok in zip(funcs, tokenizers, strict=True)
     ]
+
+
+def reward_tokenizers(
+    funcs: list[RewardFunc | RewardModel],
+    tokenizers: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase | None] | None,
+) -> list[PreTrainedTokenizerBase | None]:
+    """One entry per reward function: a reward model's tokenizer, else what was given (TRL's list)."""
+    given = _per_function(tokenizers, len(funcs))
+    return [f.tokenizer if isinstance(f, RewardModel) else tok for f, tok in zip(funcs, given, strict=True)]
+
+
+def _per_function(tokenizers: object, count: int) -> list:
+    if tokenizers is None:
+        return [None] * count
+    tokenizers = tokenizers if isinstance(tokenizers, list | tuple) else [tokenizers]
+    if len(tokenizers) != count:
+        raise ValueError(
+            f"reward_processing_classes has {len(tokenizers)} entries for {count} reward functions; they must "
+            "match: pass one tokenizer per reward function (None where the default applies), or a single "
+            "tokenizer for a single reward function."
+        )
+    return list(tokenizers)
 
 
 def reward_name(func: RewardFunc | RewardModel) -> str:
     """The metric name of a reward: the function's `__name__` or the reward model's name."""
     return func.name if isinstance(func, RewardModel) else getattr(func, "__name__", type(func).__name__)
+
+
+@dataclass
+class _Batch:
+    """The completions of one reward call and what every reward function is called with."""
+
+    prompts: list
+    completions: list
+    completion_ids: list[list[int]]
+    columns: dict[str, list]
+    trainer_state: object
+
+    def keywords(self, func: RewardFunc, call: CallLog) -> dict:
+        """The call's keyword arguments; TRL's extra keywords only where `func` takes them."""
+        kwargs = dict(
+            prompts=self.prompts,
+            completions=self.completions,
+            completion_ids=self.completion_ids,
+            **self.columns,
+        )
+        extras = {
+            "trainer_state": self.trainer_state,
+            "log_extra": call.log_extra,
+            "log_metric": call.log_metric,
+        }
+        return kwargs | {key: value for key, value in extras.items() if _takes_keyword(func, key)}
+
+    def row(self, i: int) -> "_Batch":
+        """Completion i alone."""
+        return _Batch(
+            self.prompts[i : i + 1],
+            self.completions[i : i + 1],
+            self.completion_ids[i : i + 1],
+            {key: column[i : i + 1] for key, column in self.columns.items()},
+            self.trainer_state,
+        )
+
+
+def _takes_keyword(func: Callable, name: str) -> bool:
+    """`func` accepts the keyword `name` (by name or through `**kwargs`)."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): pass everything, as TRL
+        return True
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == name and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        for p in parameters
+    )
 
 
 def score_completions(
@@ -95,54 +177,58 @@ def score_completions(
     columns: dict[str, list],
     error_policy: str,
     device: torch.device,
+    trainer_state: object = None,
+    logs: RewardLogs | None = None,
 ) -> tuple[torch.Tensor, int, int]:
     """(N, F) float32 rewards (NaN = does not apply), the number of completions scored 0 on error,
-    and the number of batches that raised but scored one completion at a time (see the module)."""
+    and the number of batches that raised but scored one completion at a time (see the module).
+    What the functions log with `log_extra` / `log_metric` is added to `logs`."""
+    logs = RewardLogs(len(completions)) if logs is None else logs
+    batch = _Batch(prompts, completions, completion_ids, columns, trainer_state)
+    calls = {i: CallLog(reward_name(f), range(len(completions))) for i, f in enumerate(funcs)}
+    async_calls = [(f, batch.keywords(f, calls[i])) for i, f in enumerate(funcs) if is_async_reward(f)]
     columns_out = []
     errors = retried = 0
-    kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-    with AsyncRewardCalls(funcs, kwargs) as async_calls:  # started now, awaited below
-        for func in funcs:
+    with AsyncRewardCalls(async_calls) as running:  # started now, awaited below
+        for i, func in enumerate(funcs):
             if isinstance(func, RewardModel):
                 values = score_with_model(func, prompts, completions)
             else:
                 values, failed, batch_failed = _call_reward_function(
-                    func, prompts, completions, completion_ids, columns, error_policy, async_calls
+                    func, batch, calls[i], logs, error_policy, running
                 )
                 errors, retried = errors + failed, retried + batch_failed
             columns_out.append(values)
     rewards = torch.tensor(columns_out, dtype=torch.float32, device=device).T  # (N, F)
+    warn_unscored(rewards, prompts, completions)
     return rewards, errors, retried
 
 
 def _call_reward_function(
     func: RewardFunc,
-    prompts: list,
-    completions: list,
-    completion_ids: list[list[int]],
-    columns: dict[str, list],
+    batch: _Batch,
+    call: CallLog,
+    logs: RewardLogs,
     error_policy: str,
-    async_calls: AsyncRewardCalls,
+    running: AsyncRewardCalls,
 ) -> tuple[list[float], int, int]:
     """The function's values, completions scored 0, and 1 if the batch raised (0 otherwise)."""
     is_async = is_async_reward(func)
+    name = reward_name(func)
     try:
-        if is_async:
-            values = async_calls.outcome(func)
-        else:
-            values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        return check_reward_values(reward_name(func), values, len(completions)), 0, 0
+        values = running.outcome(func) if is_async else func(**batch.keywords(func, call))
+        values = check_reward_values(name, values, len(batch.completions))
+        logs.keep(call)
+        return values, 0, 0
     except RewardOutputError:
         raise
     except Exception as err:
-        one_by_one = blocking(func, reward_name(func)) if is_async else func
-        values, errors = _call_one_by_one(
-            one_by_one, prompts, completions, completion_ids, columns, error_policy, err
-        )
+        one_by_one = blocking(func, name) if is_async else func
+        values, errors = _call_one_by_one(one_by_one, batch, logs, error_policy)
         if error_policy == "raise":  # every completion scored alone: the error depended on the batch
             raise RuntimeError(
-                f"Reward function {reward_name(func)!r} raised {type(err).__name__}: {err} on a batch of "
-                f"{len(completions)} completions, but scored each of them alone (the error depends on the "
+                f"Reward function {name!r} raised {type(err).__name__}: {err} on a batch of "
+                f"{len(batch.completions)} completions, but scored each of them alone (the error depends on the "
                 "batch, or was transient; the traceback above is the batch's). Fix the function, or set "
                 "reward_error_policy='retry' to use the one-at-a-time scores and count such batches in "
                 "'reward_retried_batches'."
@@ -151,80 +237,47 @@ def _call_reward_function(
 
 
 def _call_one_by_one(
-    func: RewardFunc,
-    prompts: list,
-    completions: list,
-    completion_ids: list[list[int]],
-    columns: dict[str, list],
-    error_policy: str,
-    batch_error: Exception,
+    func: RewardFunc, batch: _Batch, logs: RewardLogs, error_policy: str
 ) -> tuple[list[float], int]:
     """Score each completion alone, to name the one that raises (or score it 0)."""
     values, errors = [], 0
-    for i, completion in enumerate(completions):
-        row_columns = {key: column[i : i + 1] for key, column in columns.items()}
+    name = reward_name(func)
+    for i, completion in enumerate(batch.completions):
+        call = CallLog(name, range(i, i + 1))
         try:
-            value = func(
-                prompts=prompts[i : i + 1],
-                completions=[completion],
-                completion_ids=completion_ids[i : i + 1],
-                **row_columns,
-            )
+            value = func(**batch.row(i).keywords(func, call))
+        except RewardOutputError:
+            raise
         except Exception as err:
             if error_policy != "zero":
                 raise RuntimeError(
-                    f"Reward function {reward_name(func)!r} raised {type(err).__name__}: {err} on completion "
+                    f"Reward function {name!r} raised {type(err).__name__}: {err} on completion "
                     f"{completion!r}. Fix the function, or set reward_error_policy='zero' to score such "
                     "completions 0 and count them in the 'reward_errors' metric."
                 ) from err
-            value, errors = [0.0], errors + 1
-        values.extend(check_reward_values(reward_name(func), value, 1))
+            value, errors, call = [0.0], errors + 1, None
+        values.extend(check_reward_values(name, value, 1))
+        if call is not None:
+            logs.keep(call)
     return values, errors
 
 
-class RewardOutputError(ValueError):
-    """A reward function returned something that is not one number (or None) per completion."""
-
-
-def check_reward_values(name: str, values: object, expected: int) -> list[float]:
-    """Validate one reward function's output; None becomes NaN ("does not apply")."""
-    if not isinstance(values, list | tuple) or len(values) != expected:
-        got = f"{len(values)} values" if isinstance(values, list | tuple) else type(values).__name__
-        raise RewardOutputError(
-            f"Reward function {name!r} returned {got} for {expected} completions; return a list with one float (or None) per completion."
-        )
-    out = []
-    for value in values:
-        if value is None:
-            out.append(math.nan)
-            continue
-        if not _is_real_number(value):
-            raise RewardOutputError(
-                f"Reward function {name!r} returned {value!r} ({type(value).__name__}); rewards must be real "
-                "numbers or None."
-            )
-        value = float(value)
-        if not math.isfinite(value):
-            raise RewardOutputError(
-                f"Reward function {name!r} returned {value}; rewards must be finite (use None for 'does not apply')."
-            )
-        out.append(value)
-    return out
-
-
-def _is_real_number(value: object) -> bool:
-    """Python / NumPy reals and bools, and one-element real tensors or arrays."""
-    if isinstance(value, numbers.Real | np.bool_):
-        return True
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and not value.dtype.is_complex
-    if isinstance(value, np.ndarray):
-        return (
-            value.size == 1
-            and (np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_)
-            and not np.iscomplexobj(value)
-        )
-    return False
+def warn_unscored(rewards: torch.Tensor, prompts: list, completions: list) -> None:
+    """Warn about completions that got None from every reward function (rewards (N, F))."""
+    unscored = rewards.isnan().all(dim=1)  # (N,)
+    if not unscored.any():
+        return
+    first = int(unscored.nonzero()[0, 0])
+    logger.warning(
+        "All reward functions returned None for %d of %d completions (the first: prompt %r, completion %r). "
+        "As in TRL, such a completion is left out of its group's reward mean and std and out of the logged "
+        "reward, and gets advantage 0: no policy gradient, though its tokens still count in the loss (KL and "
+        "entropy terms, the token normaliser). Make at least one reward function return a number for it.",
+        int(unscored.sum()),
+        len(completions),
+        prompts[first],
+        completions[first],
+    )
 
 
 @torch.no_grad()

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from accelerate.utils import gather_object
 from datasets import Dataset
 from peft import PeftConfig
 from torch import nn
@@ -38,7 +37,7 @@ from transformers import (
 from transformers.trainer_utils import rotate_checkpoints
 
 from grpo_hf import rollout
-from grpo_hf.advantages import combine_rewards, group_advantages
+from grpo_hf.advantages import aggregate_rewards, compute_advantages
 from grpo_hf.checkpoints import (
     NonFiniteGuard,
     SaveOnInterrupt,
@@ -48,6 +47,7 @@ from grpo_hf.checkpoints import (
     write_round,
     write_state,
 )
+from grpo_hf.completion_logs import CompletionLog, completion_rows
 from grpo_hf.config import GRPOConfig
 from grpo_hf.data import GroupSampler, check_prompt_dataset, extra_prompt_indices, split_batch, trim_padding
 from grpo_hf.dynamic_sampling import ScoredRound, gather_round, sample_teaching_groups
@@ -62,11 +62,19 @@ from grpo_hf.environments import (
     train_dataset_or_placeholder,
 )
 from grpo_hf.loss import adaptive_beta, grpo_loss, sampler_is_weights
-from grpo_hf.metrics import IntervalMetrics, log_completion_table, round_metrics
+from grpo_hf.metrics import IntervalMetrics, StepTimer, round_metrics
 from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
 from grpo_hf.multi_turn import episode_counts, tool_episodes, tool_metrics
 from grpo_hf.reference import build_reference, is_peft_model, mix_into_reference, reference_context
-from grpo_hf.scoring import RewardFunc, RewardModel, reward_functions, reward_name, score_completions
+from grpo_hf.reward_outputs import RewardLogs
+from grpo_hf.scoring import (
+    RewardFunc,
+    RewardModel,
+    reward_functions,
+    reward_name,
+    reward_tokenizers,
+    score_completions,
+)
 from grpo_hf.sharding import (
     parameters_for_mixing,
     prepare_reference,
@@ -99,7 +107,7 @@ class GRPOTrainer(Trainer):
         train_dataset: Dataset | None = None,
         eval_dataset: Dataset | None = None,
         processing_class: PreTrainedTokenizerBase | None = None,
-        reward_processing_classes: list[PreTrainedTokenizerBase | None] | None = None,
+        reward_processing_classes: PreTrainedTokenizerBase | list | None = None,
         peft_config: PeftConfig | None = None,
         ref_model: str | PreTrainedModel | None = None,
         tools: list[Callable] | None = None,
@@ -107,6 +115,8 @@ class GRPOTrainer(Trainer):
         **kwargs,
     ):
         args = GRPOConfig(output_dir="outputs/grpo") if args is None else args
+        # First, so that a Hub repo for the completions that cannot be made fails before any model work.
+        self.completion_log = CompletionLog(args, args.process_index == 0)
         pool = self.environment_pool = (
             EnvironmentPool(environment_factory) if environment_factory is not None else None
         )
@@ -124,8 +134,11 @@ class GRPOTrainer(Trainer):
         self.toolbox, self.tools = (toolbox if toolbox.tools else None), toolbox.tools
         self.environments: list | None = None  # the environments of the latest rollouts (TRL's attribute)
         self.reward_funcs = reward_functions(reward_funcs, reward_processing_classes, args.reward_weights)
+        self.reward_processing_classes = reward_tokenizers(self.reward_funcs, reward_processing_classes)
         weights = args.reward_weights or [1.0] * len(self.reward_funcs)
         self.reward_funcs += pool.reward_functions() if pool else []  # weight 1 each, as in TRL
+        self.reward_processing_classes += [None] * (len(self.reward_funcs) - len(weights))
+        self.reward_func_names = [reward_name(func) for func in self.reward_funcs]
         check_reward_source(self.reward_funcs)
         if isinstance(model, str):
             processing_class = processing_class or load_tokenizer(model)
@@ -173,7 +186,8 @@ class GRPOTrainer(Trainer):
         self._extra_prompts = 0  # position in dynamic sampling's extra prompt stream (checkpointed)
         self._round_kl: list[float] = []
         self.metrics = IntervalMetrics()
-        self._completion_rows: list[dict] = []
+        self.add_callback(StepTimer(self.record))
+        self.add_callback(self.completion_log)
         self.add_callback(NonFiniteGuard(self.record))
         self.add_callback(_ReferenceSync(self))
         self.interrupt = SaveOnInterrupt()
@@ -278,18 +292,19 @@ class GRPOTrainer(Trainer):
         scored = self._sample_and_score(rows)
         if args.dynamic_sampling and self.model.training:
             scored = self._dynamically_sampled(scored)
-        result, prompts, completions = scored.result, scored.prompts, scored.completions
-        rewards_per_func, seconds = scored.rewards_per_func, scored.seconds
-        advantages, rewards = self._advantages(rewards_per_func)
+        result = scored.result
+        all_rewards, aggregated, all_advantages = self._advantages(scored.rewards_per_func)
+        start = self.accelerator.process_index * len(scored.prompts)
+        advantages = all_advantages[start : start + len(scored.prompts)]  # (B,) this process's rows
         loss_mask = result.completion_mask  # (B, C)
         if args.mask_truncated_completions:
             loss_mask = loss_mask * (~result.truncated).unsqueeze(1)
         if result.tool_mask is not None:  # tool results: context, not the policy's choice
             loss_mask = loss_mask * (1 - result.tool_mask)
-        self._record_round(
-            result, rewards_per_func, rewards, advantages, (scored.errors, scored.retried), seconds
-        )
-        self._record_completion_rows(prompts, completions, rewards)
+        self._record_round(scored, all_rewards, aggregated, all_advantages)
+        if args.log_completions:
+            rows = completion_rows(scored, self.reward_func_names, self.reward_weights, advantages)
+            self.completion_log.record(rows)
         batch = {
             "input_ids": result.input_ids,
             "attention_mask": result.attention_mask,
@@ -351,10 +366,13 @@ class GRPOTrainer(Trainer):
             ids[mask.bool()].tolist()
             for ids, mask in zip(result.completion_ids, result.completion_mask, strict=True)
         ]
-        rewards_per_func, errors, retried = score_completions(
-            self.reward_funcs, prompts, completions, completion_ids, columns, args.reward_error_policy, device
-        )
-        return ScoredRound(result, prompts, completions, rewards_per_func, errors, retried, seconds)
+        logs = RewardLogs(len(completions))  # what the reward functions log (log_extra / log_metric)
+        scores, errors, retried = score_completions(
+            self.reward_funcs, prompts, completions, completion_ids, columns, args.reward_error_policy, device,
+            trainer_state=self.state, logs=logs,
+        )  # fmt: skip
+        extras = (logs.extra_rows, logs.metrics)
+        return ScoredRound(result, prompts, completions, scores, errors, retried, seconds, *extras)
 
     def _tool_episodes(
         self, prompts: list[list[dict]], names: list | None
@@ -389,7 +407,9 @@ class GRPOTrainer(Trainer):
             first,
             sample_more=lambda: self._sample_and_score(self._extra_prompt_rows(len(first.prompts))),
             gather=lambda scored: gather_round(self.accelerator, scored, self.processing_class.pad_token_id),
-            combine=lambda rewards_per_func: combine_rewards(rewards_per_func, weights),
+            combine=lambda rewards_per_func: aggregate_rewards(
+                rewards_per_func, weights, args.num_generations, args.multi_objective_aggregation
+            ),
             num_generations=args.num_generations,
             max_extra_rounds=args.max_dynamic_sampling_rounds,
             pad_token_id=self.processing_class.pad_token_id,
@@ -467,20 +487,15 @@ class GRPOTrainer(Trainer):
         with unsharded_for_generation(model, self.accelerator):
             return rollout.generate(model, prompt_ids, prompt_mask, config, args.generation_backend)
 
-    def _advantages(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather every process's rewards, normalise per group, keep this process's slice."""
+    def _advantages(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every process's rewards (N, F), their aggregate (N,) and advantages (N,) (`advantages`)."""
+        args = self.args
         all_rewards = self.accelerator.gather(rewards_per_func)  # (N, F)
-        unscored = all_rewards.isnan().all(dim=1)
-        if unscored.any():
-            raise ValueError(
-                f"{int(unscored.sum())} completions got None from every reward function; make at least one "
-                "reward function return a number for every sample."
-            )
-        rewards = combine_rewards(all_rewards, self.reward_weights.to(all_rewards.device))  # (N,)
-        advantages = group_advantages(rewards, self.args.num_generations, self.args.scale_rewards)  # (N,)
-        n = rewards_per_func.shape[0]
-        start = self.accelerator.process_index * n
-        return advantages[start : start + n], rewards
+        weights = self.reward_weights.to(all_rewards.device)
+        aggregation, generations = args.multi_objective_aggregation, args.num_generations
+        aggregated = aggregate_rewards(all_rewards, weights, generations, aggregation)  # (N,)
+        advantages = compute_advantages(aggregated, generations, args.scale_rewards, aggregation)  # (N,)
+        return all_rewards, aggregated, advantages
 
     # ---- Loss ---------------------------------------------------------------------------------
 
@@ -574,46 +589,16 @@ class GRPOTrainer(Trainer):
         """Add per-token means over `tokens` active tokens, logged as means over every token."""
         self.metrics.record_token_means("train" if self.model.training else "eval", means, tokens)
 
-    def _record_round(self, result, rewards_per_func, rewards, advantages, error_counts, seconds) -> None:
-        gather = self.accelerator.gather
-        generated = result.completion_mask  # (B, C); tool results are not the model's tokens (as TRL counts)
-        generated = generated if result.tool_mask is None else generated * (1 - result.tool_mask)
-        lengths = gather(generated.sum(dim=1).float())  # (N,)
+    def _record_round(self, scored: ScoredRound, all_rewards, aggregated, all_advantages) -> None:
+        args = self.args
         values = round_metrics(
-            rewards,
-            gather(rewards_per_func),
-            [reward_name(func) for func in self.reward_funcs],
-            gather(advantages),
-            lengths,
-            gather(result.truncated.float()),
-            self.args.num_generations,
-        )
-        values["generation/tokens_per_second"] = (
-            lengths.sum().item() / max(seconds, 1e-9) / self.accelerator.num_processes
-        )
-        counts = torch.tensor(error_counts, dtype=torch.float32, device=rewards.device)  # (2,)
-        values["reward_errors"], values["reward_retried_batches"] = (
-            gather(counts).view(-1, 2).sum(dim=0).tolist()
-        )
-        values["beta"] = self.beta
-        self.record(values)
-
-    def _record_completion_rows(self, prompts, completions, rewards) -> None:
-        if not self.args.log_completions:
-            return
-        n = len(prompts)
-        start = self.accelerator.process_index * n
-        local_rewards = rewards[start : start + n].tolist()
-        rows = [
-            {
-                "step": self.state.global_step,
-                "prompt": rollout.message_text(p),
-                "completion": rollout.transcript(c),
-                "reward": r,
-            }
-            for p, c, r in zip(prompts, completions, local_rewards, strict=True)
-        ]
-        self._completion_rows = gather_object(rows)[: self.args.num_completions_to_print]
+            scored, all_rewards, aggregated, all_advantages, self.reward_weights, self.reward_func_names,
+            args.num_generations, self.accelerator,
+        )  # fmt: skip
+        tokens = values.pop("tokens")
+        if self.model.training:
+            self.state.num_input_tokens_seen += int(tokens)
+        self.record(values | {"num_tokens": self.state.num_input_tokens_seen, "beta": self.beta})
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the interval's GRPO metrics (`metrics.IntervalMetrics.reduce`), then log as usual."""
@@ -621,9 +606,8 @@ class GRPOTrainer(Trainer):
         prefix = "eval_" if mode == "eval" else ""
         logs.update({prefix + k: v for k, v in self.metrics.reduce(mode, self.accelerator).items()})
         super().log(logs, start_time)
-        if self._completion_rows and self.is_world_process_zero():
-            log_completion_table(self._completion_rows, self.args.report_to, self.state.global_step)
-            self._completion_rows = []
+        if self.is_world_process_zero():
+            self.completion_log.flush(self.state.global_step)
 
     # ---- Checkpoints --------------------------------------------------------------------------
 

@@ -111,7 +111,19 @@ def half_constant_reward(completions, answer, **kwargs) -> list[float]:
     return [value if int(a) % 4 == 2 else 1.0 for value, a in zip(lengths, answer, strict=True)]
 
 
-REWARDS = {"length": length_reward, "half_constant": half_constant_reward}
+def logged_length_reward(completions, log_metric, log_extra, **kwargs) -> list[float]:
+    """length_reward, also logging its batch mean (log_metric: a mean over every process's calls) and a
+    table column (log_extra: gathered with the rows, dynamic sampling included)."""
+    rewards = length_reward(completions)
+    log_metric("length_reward_mean", sum(rewards) / len(rewards))
+    log_extra("length", rewards)
+    return rewards
+
+
+logged_length_reward.__name__ = "length_reward"  # the metric names of length_reward
+
+
+REWARDS = {"length": logged_length_reward, "half_constant": half_constant_reward}
 
 
 class RecordingTrainer(FixedCompletionsTrainer):

@@ -22,6 +22,9 @@ def make(tmp_path, **kwargs) -> GRPOConfig:
         ({"loss_type": "ppo"}, ["loss_type"]),
         ({"kl_estimator": "k4"}, ["kl_estimator"]),
         ({"scale_rewards": "local"}, ["scale_rewards"]),
+        ({"multi_objective_aggregation": "mean"}, ["multi_objective_aggregation"]),
+        ({"num_completions_to_print": -1}, ["num_completions_to_print"]),
+        ({"log_completions_hub_repo": "me/completions"}, ["log_completions_hub_repo", "log_completions"]),
         ({"importance_sampling_level": "group"}, ["importance_sampling_level"]),
         ({"generation_backend": "vllm"}, ["generation_backend"]),
         # 6 completions per round cannot hold whole groups of 4
@@ -69,6 +72,40 @@ def test_defaults(tmp_path):
     assert config.steps_per_generation == config.gradient_accumulation_steps == 1
     assert config.generation_batch_size == 8  # per_device_train_batch_size 8 x 1 process x 1 step
     assert config.loss_type == "dapo" and config.kl_estimator == "k3" and config.scale_rewards == "group"
+    assert config.multi_objective_aggregation == "sum_then_normalize"
+    assert config.num_completions_to_print is None  # TRL's: print every completion of the table
+    assert config.log_multimodal and not config.log_unique_prompts and config.log_completions_hub_repo is None
+
+
+@pytest.mark.parametrize(
+    ("value", "scale"),
+    [(True, "group"), (False, "none"), ("True", "group"), ("false", "none"), ("batch", "batch")],
+)
+def test_scale_rewards_takes_trl_booleans(tmp_path, value, scale):
+    assert make(tmp_path, scale_rewards=value).scale_rewards == scale
+
+
+@pytest.mark.parametrize(("flag", "scale"), [("False", "none"), ("true", "group"), ("none", "none")])
+def test_scale_rewards_booleans_from_the_command_line(tmp_path, flag, scale):
+    from transformers import HfArgumentParser
+
+    argv = [
+        "--output_dir",
+        str(tmp_path),
+        "--report_to",
+        "none",
+        "--use_cpu",
+        "true",
+        "--scale_rewards",
+        flag,
+    ]
+    (config,) = HfArgumentParser(GRPOConfig).parse_args_into_dataclasses(argv)
+    assert config.scale_rewards == scale
+
+
+def test_scale_rewards_other_than_group_warns_with_normalize_then_sum(tmp_path):
+    with pytest.warns(UserWarning, match="scale_rewards='batch' has no effect"):
+        make(tmp_path, scale_rewards="batch", multi_objective_aggregation="normalize_then_sum")
 
 
 def test_epsilon_high_follows_epsilon_unless_set(tmp_path):

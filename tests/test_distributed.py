@@ -63,7 +63,10 @@ GLOBAL_METRICS = [
     "completions/clipped_ratio", "reward_errors", "beta", "dynamic_sampling/extra_rounds",
     "dynamic_sampling/groups_dropped", "dynamic_sampling/groups_filled", "tools/call_frequency",
     "tools/failure_frequency", "tools/calls_per_episode", "tools/failed_calls_per_episode",
-    "tools/turns_per_episode",
+    "tools/turns_per_episode", "reward_std/group_mean",
+    "rewards/length_reward/mean", "rewards/length_reward/std", "completions/mean_terminated_length",
+    "completions/min_terminated_length", "completions/max_terminated_length", "num_tokens",
+    "length_reward_mean",
 ]  # fmt: skip
 # Token means over every active token of the logging interval, on every process.
 TOKEN_MEAN_METRICS = ["kl", "entropy", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"]

@@ -83,8 +83,9 @@ class RoundTrainer(FixedCompletionsTrainer):
         self.batches = [*getattr(self, "batches", []), parts]
         return parts
 
-    def _record_completion_rows(self, prompts, completions, rewards):
-        self.kept_prompts = [*getattr(self, "kept_prompts", []), prompts]
+    def _record_round(self, scored, *args):
+        self.kept_prompts = [*getattr(self, "kept_prompts", []), scored.prompts]
+        super()._record_round(scored, *args)
 
 
 def build(tmp_path, reward, **overrides) -> RoundTrainer:

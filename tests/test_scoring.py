@@ -10,13 +10,8 @@ from tiny_models import CHAT_TEMPLATE, tiny_tokenizer
 from tokenizers import processors
 from torch import nn
 
-from grpo_hf.scoring import (
-    RewardModel,
-    RewardOutputError,
-    check_reward_values,
-    score_completions,
-    score_with_model,
-)
+from grpo_hf.reward_outputs import RewardLogs, RewardOutputError, check_reward_values
+from grpo_hf.scoring import RewardModel, score_completions, score_with_model
 
 
 def test_every_real_number_type_is_a_reward():
@@ -135,3 +130,106 @@ def test_reward_model_input_has_exactly_one_bos(chat):
     score_with_model(RewardModel(model, tokenizer, "rm"), prompts, completions)
     bos_per_row = (model.input_ids == tokenizer.bos_token_id).sum(dim=1).tolist()
     assert bos_per_row == [1, 1]
+
+
+# ---- TRL's keywords: trainer_state, log_extra, log_metric ----------------------------------------
+
+
+def score_logged(funcs, policy="raise", completions=("a", "bb", "ccc", "dddd"), state=None):
+    """Score with the keyword arguments TRL hands over; return the rewards, counts and what was logged."""
+    completions = list(completions)
+    logs = RewardLogs(len(completions))
+    rewards, errors, retried = score_completions(
+        funcs,
+        ["p"] * len(completions),
+        completions,
+        [[1]] * len(completions),
+        {"answer": [str(len(c)) for c in completions]},
+        policy,
+        torch.device("cpu"),
+        trainer_state=state,
+        logs=logs,
+    )
+    return rewards, errors, retried, logs
+
+
+def test_named_columns_without_kwargs_still_work_and_named_keywords_arrive():
+    def columns_only(prompts, completions, completion_ids, answer):  # takes no **kwargs
+        return [float(a) for a in answer]
+
+    def wants_state(prompts, completions, completion_ids, answer, trainer_state):  # names it, no **kwargs
+        return [float(trainer_state.global_step)] * len(completions)
+
+    state = SimpleNamespace(global_step=7)
+    rewards, *_ = score_logged([columns_only, wants_state], state=state)
+    assert rewards.tolist() == [[1.0, 7.0], [2.0, 7.0], [3.0, 7.0], [4.0, 7.0]]
+
+
+def logging_reward(completions, log_extra, log_metric, trainer_state, **kwargs):
+    log_extra("first_letter", [c[0] for c in completions])
+    log_metric("letters", sum(len(c) for c in completions) / len(completions))
+    return [float(len(c)) for c in completions]
+
+
+def test_log_extra_fills_one_column_per_completion_and_log_metric_one_value_per_call():
+    rewards, _, _, logs = score_logged([logging_reward])
+    assert rewards[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert logs.extra_rows == [{"first_letter": x} for x in "abcd"]
+    assert logs.metrics == {"letters": [2.5]}  # (1 + 2 + 3 + 4) / 4, one call
+
+
+def logs_then_fails_on_batches(completions, log_extra, log_metric, **kwargs):
+    """Logs, then raises on a batch of several completions; "bb" also fails alone."""
+    log_extra("seen", [f"{c}:{len(completions)}" for c in completions])
+    log_metric("calls", 1.0)
+    if len(completions) > 1 or completions == ["bb"]:
+        raise MemoryError("batch too large")
+    return [float(len(completions[0]))]
+
+
+def test_what_a_failed_call_logged_is_dropped_and_each_single_call_logs_its_own_row():
+    rewards, errors, retried, logs = score_logged([logs_then_fails_on_batches], policy="zero")
+    assert rewards[:, 0].tolist() == [1.0, 0.0, 3.0, 4.0] and (errors, retried) == (1, 1)
+    # Not "a:4" (the failed batch call); "bb" raised alone, so its row has nothing.
+    assert logs.extra_rows == [{"seen": "a:1"}, {}, {"seen": "ccc:1"}, {"seen": "dddd:1"}]
+    assert logs.metrics == {"calls": [1.0, 1.0, 1.0]}  # the three single calls that scored
+
+
+async def async_logging_reward(completions, log_extra, log_metric, **kwargs):
+    log_extra("doubled", [c * 2 for c in completions])
+    log_metric("async_calls", 1)
+    return [1.0] * len(completions)
+
+
+def test_async_and_plain_functions_each_log_their_own_values():
+    _, _, _, logs = score_logged([async_logging_reward, logging_reward])
+    assert logs.extra_rows[1] == {"doubled": "bbbb", "first_letter": "b"}
+    assert logs.metrics == {"async_calls": [1.0], "letters": [2.5]}
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda log_extra, log_metric: log_extra("x", [1, 2]), r"log_extra\('x', ...\) with 2 values for 4"),
+        (lambda log_extra, log_metric: log_metric("x", "high"), r"log_metric\('x', 'high'\)"),
+    ],
+    ids=["extra-length", "metric-type"],
+)
+def test_bad_log_calls_stop_the_run_naming_the_function(call, message):
+    def careless(completions, log_extra, log_metric, **kwargs):
+        call(log_extra, log_metric)
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardOutputError, match=r"'careless' called " + message):
+        score_logged([careless], policy="zero")  # not retried one by one: the call itself is wrong
+
+
+def test_completions_without_any_reward_are_warned_about_and_stay_nan(caplog):
+    def only_long(completions, **kwargs):
+        return [float(len(c)) if len(c) > 2 else None for c in completions]
+
+    with caplog.at_level("WARNING", logger="grpo_hf.scoring"):
+        rewards, *_ = score_logged([only_long, lambda completions, **kw: [None] * len(completions)])
+    assert rewards[:2].isnan().all() and rewards[2:, 0].tolist() == [3.0, 4.0]
+    assert "All reward functions returned None for 2 of 4 completions" in caplog.text
+    assert "completion 'a'" in caplog.text and "advantage 0" in caplog.text
