@@ -229,7 +229,7 @@ def test_reward_weights_weigh_the_reward_funcs_and_the_environment_counts_once(t
     assert [f.__name__ for f in trainer.reward_funcs] == ["two", "CounterEnv"]
     assert trainer.reward_weights.tolist() == [0.5, 1.0]
     rewards_per_func = torch.tensor([[2.0, 3.0], [2.0, 0.0], [2.0, 1.0], [2.0, float("nan")]])
-    _, rewards = trainer._advantages(rewards_per_func)
+    _, rewards, _ = trainer._advantages(rewards_per_func)  # sum_then_normalize: the weighted sum
     assert rewards.tolist() == [4.0, 1.0, 2.0, 1.0]  # 0.5 * 2 + 3, 0.5 * 2 + 0, ..., 0.5 * 2 + (None: 0)
 
 

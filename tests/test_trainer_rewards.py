@@ -197,7 +197,7 @@ def test_a_reward_processing_classes_list_of_the_wrong_length_fails_before_the_m
     with pytest.raises(ValueError, match=r"reward_processing_classes has 1 entries for 2 reward.*must match"):
         FixedCompletionsTrainer(
             model="no-such-model", reward_funcs=[id_count, even_ids], reward_processing_classes=tiny_tokenizer(),
-            args=make_config(tmp_path),
+            args=make_config(tmp_path), train_dataset=chat_dataset(),
         )  # fmt: skip
 
 
