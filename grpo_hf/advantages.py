@@ -27,10 +27,11 @@ def group_advantages(
     # A float mean of equal values can miss them (six 0.3s: off by 3e-8, which / eps is 3e-4):
     # zero constant groups explicitly so they give exactly 0.
     centred = centred.masked_fill(group_std_is_zero(rewards, num_generations).unsqueeze(1), 0.0)
+    # A std of one value is 0 here, not NaN (a group of one: num_generations_eval=1 in evaluation).
     if scale_rewards == "group":
-        scale = grouped.std(dim=1, keepdim=True) + EPS  # (groups, 1)
+        scale = (grouped.std(dim=1, keepdim=True) if num_generations > 1 else 0.0) + EPS  # (groups, 1)
     elif scale_rewards == "batch":
-        scale = rewards.std() + EPS  # ()
+        scale = (rewards.std() if rewards.numel() > 1 else 0.0) + EPS  # ()
     elif scale_rewards == "none":
         scale = torch.ones((), dtype=rewards.dtype, device=rewards.device)
     else:

@@ -25,7 +25,8 @@ def round_metrics(
     advantages (N,), lengths (N,) completion tokens, truncated (N,) 1.0 where no EOS; N counts
     every process's completions, group by group.
     """
-    group_std = rewards.view(-1, num_generations).std(dim=1)  # (N / G,)
+    grouped = rewards.view(-1, num_generations)  # (N / G, G)
+    group_std = grouped.std(dim=1) if num_generations > 1 else torch.zeros_like(grouped[:, 0])  # (N / G,)
     values = {
         "reward": rewards.mean().item(),
         "reward_std": group_std.mean().item(),

@@ -115,3 +115,14 @@ def test_group_std_is_zero_on_seed_groups():
     flags = group_std_is_zero(SEED_REWARDS, 4)  # (4,)
     assert flags.tolist() == [False, True, True, False]
     assert flags.dtype == torch.bool
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_groups_of_one_get_advantage_zero_not_nan(scale_rewards):
+    # num_generations_eval=1: each reward is its own group's mean, r - mean = 0; the std of one value
+    # counts as 0 (torch.std would give NaN, and 0 / NaN is NaN), so A = 0 / (0 + eps) = 0.
+    advantages = group_advantages(torch.tensor([1.0, 3.0]), 1, scale_rewards)
+    assert advantages.tolist() == [0.0, 0.0]
+    assert group_advantages(torch.tensor([2.0]), 1, scale_rewards).tolist() == [
+        0.0
+    ]  # batch std of one value too
