@@ -51,6 +51,7 @@ def group_advantages(
     # A float mean of equal values can miss them (six 0.3s: off by 3e-8, which / eps is 3e-4):
     # zero constant groups explicitly so they give exactly 0.
     centred = centred.masked_fill(group_std_is_zero(rewards, num_generations).unsqueeze(1), 0.0)
+    # A std of one value is 0 here, not NaN (a group of one: num_generations_eval=1 in evaluation).
     if scale_rewards == "group":
         scale = nan_std(grouped, dim=1, keepdim=True).nan_to_num(nan=0.0) + EPS  # (groups, 1)
     elif scale_rewards == "batch":

@@ -28,17 +28,83 @@ PRECISIONS = ("auto", "bf16", "fp32")
 class GRPOConfig(TrainingArguments):
     """Training arguments for `GRPOTrainer`; every GRPO field carries its help text below."""
 
+    # Fields that also take a JSON object string (the command line and YAML configs pass strings).
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs", "chat_template_kwargs"]
+
     # ---- Overridden TrainingArguments defaults -------------------------------------------------
     learning_rate: float = field(
         default=1e-6, metadata={"help": "AdamW learning rate (1e-6 as in DeepSeekMath)."}
     )
     logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
     remove_unused_columns: bool = field(
-        default=False, metadata={"help": "Keep dataset columns: they reach the reward functions."}
+        default=False,
+        metadata={
+            "help": "Keep only the dataset's 'prompt' column. Default False: the other columns reach the reward "
+            "functions as keyword arguments."
+        },
+    )
+
+    # ---- Model loading and placement -------------------------------------------------------------
+    model_init_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for from_pretrained when GRPOTrainer loads the model from a name (and for "
+            'reward models given by name), e.g. {"dtype": "bfloat16", "attn_implementation": "sdpa"}; a '
+            "JSON object string on the command line. 'dtype' defaults to float32 for the policy ('auto' keeps "
+            "the checkpoint's); 'revision' also picks the tokenizer's revision."
+        },
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow models and tokenizers (the policy's, reward models' and their tokenizers) that ship "
+            "their own Python code to run it."
+        },
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={
+            "help": "Mixture-of-Experts: weight of the router's load-balancing loss added to the loss. Unset: the "
+            "model config's own coefficient; 0 turns it off. An error on a model without router logits."
+        },
+    )
+    ds3_gather_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "DeepSpeed ZeRO-3: gather the whole model once for generation (fast). False: generate with "
+            "the parameters partitioned, each layer gathered at each step (slow), for models too large for "
+            "one device; every process then decodes as many steps as the longest."
+        },
     )
 
     # ---- Data and generation -------------------------------------------------------------------
     num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (G)."})
+    num_generations_eval: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions per prompt in evaluation (fewer saves time; 1 allowed); default num_generations."
+        },
+    )
+    shuffle_dataset: bool = field(
+        default=True,
+        metadata={
+            "help": "Shuffle the training prompts (each epoch anew; a streamed dataset through a shuffle buffer)."
+        },
+    )
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={
+            "help": "Pad prompt and completion ids to a multiple of this many tokens (fewer distinct shapes for "
+            "compiled backends). 'auto': 128 on AWS Neuron, no padding elsewhere; None / 'none': no padding."
+        },
+    )
+    chat_template_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra keyword arguments for apply_chat_template where chat prompts, tool results and reward "
+            'model inputs are rendered, e.g. {"enable_thinking": false}; a JSON object string on the command line.'
+        },
+    )
     max_prompt_length: int | None = field(
         default=512,
         metadata={"help": "Prompts longer than this many tokens keep their last tokens (with a warning)."},
@@ -269,6 +335,9 @@ class GRPOConfig(TrainingArguments):
         super().__post_init__()
         self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         self._resolve_scale_rewards()
+        if self.num_generations_eval is None:
+            self.num_generations_eval = self.num_generations
+        self._resolve_data_settings()
         self._check_choices()
         self._check_ranges()
         self._resolve_generation_batch()
@@ -279,11 +348,38 @@ class GRPOConfig(TrainingArguments):
         """Evaluation batches must hold whole groups too (the trainer also calls this, before
         loading the model, when it is given an eval_dataset)."""
         per_step = self.per_device_eval_batch_size * self.world_size
-        if per_step % self.num_generations:
+        if per_step % self.num_generations_eval:
             raise ValueError(
                 f"The evaluation batch ({per_step} completions = per_device_eval_batch_size "
                 f"{self.per_device_eval_batch_size} x {self.world_size} processes) must be divisible by "
-                f"num_generations={self.num_generations}; change per_device_eval_batch_size."
+                f"num_generations_eval={self.num_generations_eval} (default num_generations); change "
+                "per_device_eval_batch_size or num_generations_eval."
+            )
+
+    def _resolve_data_settings(self) -> None:
+        """pad_to_multiple_of and the dict settings from their command-line strings; unsupported batching."""
+        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
+            text = self.pad_to_multiple_of.strip().lower()
+            if text not in ("none", "null") and not text.isdigit():
+                raise ValueError(
+                    f"pad_to_multiple_of={self.pad_to_multiple_of!r}: give a positive integer, 'auto' or None."
+                )
+            self.pad_to_multiple_of = None if text in ("none", "null") else int(text)
+        if self.pad_to_multiple_of == "auto":  # Neuron compiles once per input shape
+            self.pad_to_multiple_of = 128 if self.device.type == "neuron" else None
+        for name in ("model_init_kwargs", "chat_template_kwargs"):
+            if not isinstance(getattr(self, name), dict | None):
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not a dict; pass a dict, or a JSON object string "
+                    "('{\"key\": value}') on the command line."
+                )
+        self.chat_template_kwargs = dict(self.chat_template_kwargs or {})
+        if self.auto_find_batch_size:
+            raise ValueError(
+                "auto_find_batch_size is not supported: it halves per_device_train_batch_size on out-of-memory, "
+                "and then a generation batch no longer holds whole groups of num_generations completions. Set "
+                "auto_find_batch_size=False and lower per_device_train_batch_size (and raise "
+                "gradient_accumulation_steps) instead."
             )
 
     def _resolve_precision(self) -> None:
@@ -336,6 +432,18 @@ class GRPOConfig(TrainingArguments):
             (
                 self.num_generations >= 2,
                 "num_generations must be >= 2: a group of one has no relative advantage",
+            ),
+            (
+                self.num_generations_eval >= 1,
+                "num_generations_eval must be >= 1 (a group of one scores with advantage 0)",
+            ),
+            (
+                self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1,
+                "pad_to_multiple_of must be >= 1 (or None: no padding)",
+            ),
+            (
+                self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
+                "router_aux_loss_coef must be >= 0 (0 turns the load-balancing loss off)",
             ),
             (self.max_completion_length >= 1, "max_completion_length must be >= 1"),
             (self.max_prompt_length is None or self.max_prompt_length >= 1, "max_prompt_length must be >= 1"),

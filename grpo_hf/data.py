@@ -1,17 +1,39 @@
 """The prompt dataset on its way into a generation round: checks, group sampling, micro-batches.
 
 - `check_prompt_dataset`: a dataset the trainer cannot use fails before any model work, naming
-  the column to fix.
+  the column to fix (a dict of eval datasets entry by entry; a stream as far as it can be checked
+  without reading it, its rows then by `PromptChecker` as they come, see `streaming`).
+- `check_batching`: dataloader settings a GRPO batch cannot go through, before any model work.
 - `GroupSampler`: each prompt repeated G times, in the same order on every process.
-- `extra_prompt_indices`: the prompts of dynamic sampling's extra rounds, a second shuffled stream.
-- `split_batch` / `trim_padding`: a generation batch cut into micro-batches with no all-padding
-  columns.
+- `ExtraPrompts` / `extra_prompt_indices`: the prompts of dynamic sampling's extra rounds, a
+  second shuffled stream.
+- `keep_rows`: the collator (a batch is its list of rows; a module-level function, so that
+  dataloader workers started by spawn or forkserver can unpickle it).
+- `split_batch` / `trim_padding` / `padded_to_multiple`: a generation batch cut into micro-batches
+  with no all-padding columns (or, with `pad_to_multiple_of`, widths kept at multiples).
 """
 
+import logging
 from collections.abc import Iterator
 
+import datasets
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Sampler
+
+from grpo_hf.rollout import Rollout
+
+logger = logging.getLogger(__name__)
+
+
+def keep_rows(rows: list[dict]) -> list[dict]:
+    """The data collator: a batch stays a list of dataset rows (the trainer tokenizes after rendering)."""
+    return rows
+
+
+def is_stream(dataset: object) -> bool:
+    """A `datasets.IterableDataset`: no length, read in order as it comes."""
+    return isinstance(dataset, datasets.IterableDataset)
 
 
 def check_prompt_dataset(dataset, name: str, needs_chat: bool = False, prompt_optional: bool = False) -> None:
@@ -20,24 +42,58 @@ def check_prompt_dataset(dataset, name: str, needs_chat: bool = False, prompt_op
     `needs_chat`: tools are in use, so prompts must be chat messages (the chat template describes the
     tools and renders their results) and no column may be named 'environments' (the reward
     functions' keyword for the episodes' environments). `prompt_optional`: environments may supply
-    the prompts (their `reset` returns them), so a dataset without a 'prompt' column is fine."""
+    the prompts (their `reset` returns them), so a dataset without a 'prompt' column is fine. A dict
+    of datasets (`DatasetDict`, a dict of eval datasets) is checked entry by entry. A stream's
+    columns are checked here when its features are known; its rows are checked as they are read
+    (`PromptChecker`)."""
+    if isinstance(dataset, dict):
+        for key, entry in dataset.items():
+            check_prompt_dataset(entry, f"{name}[{key!r}]", needs_chat, prompt_optional)
+        return
+    if isinstance(dataset, torch.utils.data.IterableDataset) and not is_stream(dataset):
+        raise TypeError(
+            f"{name} is a {type(dataset).__name__}; pass a datasets.Dataset, a datasets.IterableDataset (a "
+            "stream, e.g. load_dataset(..., streaming=True)) or another indexable dataset of rows."
+        )
     columns = getattr(dataset, "column_names", None)
-    has_prompt = columns is None or "prompt" in columns
-    if not has_prompt and not prompt_optional:
+    if columns is not None:
+        check_columns(columns, name, needs_chat, prompt_optional)
+    if is_stream(dataset):
+        return
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty.")
+    if columns is not None and "prompt" not in columns:
+        return  # environments supply the prompts
+    prompts = dataset["prompt"] if columns is not None else [row["prompt"] for row in dataset]
+    check_prompt_kinds({prompt_kind(p) for p in prompts}, name, needs_chat)
+
+
+def check_columns(columns: list[str], name: str, needs_chat: bool, prompt_optional: bool = False) -> None:
+    """A 'prompt' column (unless environments supply the prompts), and no 'environments' column when
+    tools or environments are in use."""
+    if "prompt" not in columns and not prompt_optional:
         raise ValueError(
             f"{name} has no 'prompt' column (columns: {columns}); rename the prompt column to 'prompt'."
         )
-    if len(dataset) == 0:
-        raise ValueError(f"{name} is empty.")
-    if needs_chat and columns is not None and "environments" in columns:
+    if needs_chat and "environments" in columns:
         raise ValueError(
             f"{name} has a column named 'environments', the keyword that hands reward functions the episodes' "
             "environments; rename the column."
         )
-    if not has_prompt:
-        return
-    prompts = dataset["prompt"] if columns is not None else [row["prompt"] for row in dataset]
-    kinds = {"text" if isinstance(p, str) else "chat" if _is_chat(p) else type(p).__name__ for p in prompts}
+
+
+def prompt_kind(prompt: object) -> str:
+    """'text', 'chat' (a list of {'role', 'content'} messages), or the name of another type."""
+    if isinstance(prompt, str):
+        return "text"
+    chat = isinstance(prompt, list) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
+    )
+    return "chat" if chat else type(prompt).__name__
+
+
+def check_prompt_kinds(kinds: set[str], name: str, needs_chat: bool) -> None:
+    """The prompts' kinds (`prompt_kind`): all text or all chat, chat when tools are in use."""
     if kinds - {"text", "chat"}:
         raise ValueError(
             f"{name}: 'prompt' must be a string or a list of {{'role', 'content'}} messages; found {kinds - {'text', 'chat'}}."
@@ -53,32 +109,96 @@ def check_prompt_dataset(dataset, name: str, needs_chat: bool = False, prompt_op
         )
 
 
-def _is_chat(prompt: object) -> bool:
-    return isinstance(prompt, list) and all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
-    )
+class PromptChecker:
+    """`check_prompt_dataset`'s rules for rows read one at a time (a stream's): the first row's
+    columns, then every row's prompt against the kind of the rows before it."""
+
+    def __init__(self, name: str, needs_chat: bool):
+        self.name, self.needs_chat = name, needs_chat
+        self.kind: str | None = None
+        self.rows = 0
+
+    def __call__(self, row: dict) -> dict:
+        where = f"{self.name} (row {self.rows} of the stream)"
+        if self.rows == 0 or "prompt" not in row:
+            check_columns(list(row), where, self.needs_chat)
+        kind = prompt_kind(row["prompt"])
+        check_prompt_kinds({kind} | ({self.kind} if self.kind else set()), where, self.needs_chat)
+        self.kind = kind
+        self.rows += 1
+        return row
+
+
+def check_batching(args, train_dataset) -> None:
+    """Dataloader settings that a GRPO batch cannot go through, before any model work.
+
+    A batch is a list of rows (prompt text or messages, and the other columns), which Accelerate
+    cannot dispatch from the main process (`dispatch_batches`, which it would choose for a stream
+    when unset): it is set False. `split_batches` would make per_device_train_batch_size a global
+    size, and a generation round would no longer be whole groups on every process. A stream has no
+    length, so `max_steps` sets the run's length; it is read in this process (`dataloader_num_workers`
+    set to 0, as workers would each read their own part of it and interleave the groups).
+    """
+    accelerator_config = args.accelerator_config
+    if accelerator_config.dispatch_batches:
+        raise ValueError(
+            "Iterable datasets require `dispatch_batches=False`, and so does every GRPO dataset: a batch is a "
+            "list of rows (prompt text or messages and the other columns), which Accelerate cannot dispatch "
+            "from the main process. Set accelerator_config={'dispatch_batches': False} or leave it unset."
+        )
+    accelerator_config.dispatch_batches = False
+    if accelerator_config.split_batches:
+        raise ValueError(
+            "accelerator_config split_batches=True is not supported: GRPO batch sizes count each process's "
+            "completions and a generation round spans every process. Leave split_batches unset and set "
+            "per_device_train_batch_size to the global batch divided by the number of processes."
+        )
+    if is_stream(train_dataset):
+        if args.max_steps <= 0:
+            raise ValueError(
+                "train_dataset is an IterableDataset (a stream, with no length): set max_steps to the number of "
+                "optimizer steps to train."
+            )
+        if args.dataloader_num_workers:
+            logger.warning(
+                "Iterable datasets require dataloader_num_workers=0 to keep each prompt's group together; "
+                "overriding dataloader_num_workers=%d.",
+                args.dataloader_num_workers,
+            )
+            args.dataloader_num_workers = 0
 
 
 class GroupSampler(Sampler[int]):
-    """Shuffled prompt indices, each repeated G times, each generation batch repeated `repeats` times.
+    """Prompt indices (shuffled unless `shuffle=False`), each repeated G times, each generation batch
+    repeated `repeats` times; a trailing partial generation batch is dropped.
 
-    Every process builds the same sequence from the same seed; Accelerate hands each process its
-    own contiguous slice of every generation batch.
+    Every process builds the same sequence from the same seed (reshuffled each epoch with seed +
+    epoch); Accelerate hands each process its own contiguous slice of every generation batch.
     """
 
     def __init__(
-        self, num_prompts: int, num_generations: int, prompts_per_batch: int, repeats: int, seed: int
+        self,
+        num_prompts: int,
+        num_generations: int,
+        prompts_per_batch: int,
+        repeats: int,
+        seed: int,
+        shuffle: bool = True,
     ):
         self.num_prompts, self.num_generations = num_prompts, num_generations
         self.prompts_per_batch, self.repeats, self.seed = prompts_per_batch, repeats, seed
+        self.shuffle = shuffle
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.num_prompts, generator=generator).tolist()
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_prompts, generator=generator).tolist()
+        else:
+            order = list(range(self.num_prompts))
         usable = len(order) - len(order) % self.prompts_per_batch
         for start in range(0, usable, self.prompts_per_batch):
             batch = [
@@ -120,20 +240,44 @@ def extra_prompt_indices(num_prompts: int, seed: int, start: int, count: int) ->
     return out
 
 
+class ExtraPrompts:
+    """The rows of dynamic sampling's extra prompt stream of a map-style dataset (`extra_prompt_indices`)."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def take(self, start: int, count: int) -> list[dict]:
+        """The rows at positions `start .. start + count - 1` of the stream (each distinct one read once)."""
+        indices = extra_prompt_indices(len(self.dataset), self.seed, start, count)
+        fetched = {i: self.dataset[i] for i in dict.fromkeys(indices)}
+        return [fetched[i] for i in indices]
+
+
 def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
     """Split every tensor of a batch along dim 0 into `parts` equal micro-batches."""
     chunks = {key: value.chunk(parts) for key, value in batch.items()}
     return [{key: chunks[key][i] for key in batch} for i in range(parts)]
 
 
-def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop prompt columns that are padding in every row and completion columns past every mask."""
+def _round_up(width: int, multiple: int | None) -> int:
+    return width if multiple is None else -(-width // multiple) * multiple
+
+
+def trim_padding(batch: dict[str, torch.Tensor], multiple: int | None = None) -> dict[str, torch.Tensor]:
+    """Drop prompt columns that are padding in every row and completion columns past every mask.
+
+    With `multiple` (`pad_to_multiple_of`; the batch's widths are multiples of it) the kept prompt
+    and completion widths are rounded up to multiples of it instead.
+    """
     attention = batch["attention_mask"]
-    prompt_width = attention.shape[1] - batch["completion_mask"].shape[1]
+    completion_width = batch["completion_mask"].shape[1]
+    prompt_width = attention.shape[1] - completion_width
     first = int(attention[:, :prompt_width].any(dim=0).float().argmax())
     last = (
         int(batch["completion_mask"].any(dim=0).nonzero().max()) + 1 if batch["completion_mask"].any() else 1
     )
+    first = max(0, prompt_width - _round_up(prompt_width - first, multiple))
+    last = min(completion_width, _round_up(last, multiple))
     out = dict(batch)
     out["input_ids"] = batch["input_ids"][:, first : prompt_width + last]
     out["attention_mask"] = attention[:, first : prompt_width + last]
@@ -141,3 +285,25 @@ def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if key in batch:
             out[key] = batch[key][:, :last]
     return out
+
+
+def padded_to_multiple(result: Rollout, multiple: int | None, pad_token_id: int) -> Rollout:
+    """`result` with its prompt columns left-padded and its completion columns right-padded to
+    multiples of `multiple` (`pad_to_multiple_of`; None: as it is). Padding is out of every mask."""
+    if multiple is None:
+        return result
+    left = -result.prompt_ids.shape[1] % multiple
+    right = -result.completion_ids.shape[1] % multiple
+
+    def completion_padded(values: torch.Tensor | None, fill: float) -> torch.Tensor | None:
+        return None if values is None else F.pad(values, (0, right), value=fill)  # (B, C')
+
+    return Rollout(
+        prompt_ids=F.pad(result.prompt_ids, (left, 0), value=pad_token_id),  # (B, P')
+        prompt_mask=F.pad(result.prompt_mask, (left, 0), value=0),  # (B, P')
+        completion_ids=completion_padded(result.completion_ids, pad_token_id),
+        completion_mask=completion_padded(result.completion_mask, 0),
+        truncated=result.truncated,
+        sampler_logps=completion_padded(result.sampler_logps, 0.0),
+        tool_mask=completion_padded(result.tool_mask, 0),
+    )

@@ -6,9 +6,15 @@ A GGUF file (the default's or a user's) is dequantized once into a plain float32
 checkpoint with its tokenizer and chat template, cached under `$GRPO_HF_CACHE` (default
 `~/.cache/grpo_hf`); later runs load that folder in about a second. The weights are the Q4_1 values
 dequantized, so they differ slightly from the original release: fine for a model we are about to train.
+
+What `GRPOTrainer` hands `from_pretrained` for a model given by name (`model_init_kwargs`): the
+config's `model_init_kwargs`, `trust_remote_code`, the trainer's `quantization_config`, and dtype
+float32 unless `model_init_kwargs` names one ('auto' keeps the checkpoint's), as TRL does: the
+optimizer then keeps float32 master weights, and `--bf16` / `precision` computes in bf16.
 """
 
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -64,12 +70,13 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
-def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str, **kwargs) -> PreTrainedTokenizerBase:
     """The tokenizer for `name_or_path`, with a pad token (its eos token if it had none).
 
-    `padding_side` stays as loaded: the trainer sets left padding for generation itself.
+    `padding_side` stays as loaded: the trainer sets left padding for generation itself. Extra
+    keyword arguments (`trust_remote_code`, `revision`) go to `AutoTokenizer.from_pretrained`.
     """
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), **kwargs)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(_bad_setting(name_or_path, "its tokenizer has neither a pad nor an eos token"))
@@ -88,6 +95,100 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | None = None, **kwargs)
     Extra keyword arguments go to `AutoModelForCausalLM.from_pretrained`.
     """
     return AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=dtype, **kwargs)
+
+
+TORCH_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def model_init_kwargs(
+    args, quantization_config=None, default_dtype: torch.dtype | str = torch.float32
+) -> dict:
+    """`from_pretrained` keyword arguments for a model the trainer loads by name (see the module).
+
+    Checked before any model work: a `dtype` that is no dtype, a `quantization_config` given twice
+    or whose library is missing. In a multi-process run `device_map` is None: each process holds
+    its own copy, which Accelerate places.
+    """
+    kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        if "quantization_config" in kwargs:
+            raise ValueError(
+                "quantization_config is set both as a GRPOTrainer argument and in model_init_kwargs; set it once."
+            )
+        kwargs["quantization_config"] = quantization_config
+    if "quantization_config" in kwargs:
+        check_quantization_config(kwargs["quantization_config"])
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    dtype = kwargs.get("dtype", default_dtype)
+    if isinstance(dtype, str) and dtype in TORCH_DTYPES:
+        dtype = getattr(torch, dtype)
+    if not (isinstance(dtype, torch.dtype) or dtype in ("auto", None)):
+        raise ValueError(
+            f"model_init_kwargs dtype={dtype!r} is not a dtype: use one of {TORCH_DTYPES}, 'auto' (the "
+            "checkpoint's) or a torch.dtype."
+        )
+    kwargs["dtype"] = dtype
+    if args.world_size > 1:
+        kwargs["device_map"] = None
+    return kwargs
+
+
+def reference_init_kwargs(args, init_kwargs: dict, policy: nn.Module) -> dict:
+    """For a reference loaded by name: the policy's `init_kwargs`, with the policy's dtype and
+    attention implementation unless model_init_kwargs names them (the policy may have been given
+    as an object, or its dtype changed since loading)."""
+    named = args.model_init_kwargs or {}
+    kwargs = dict(init_kwargs)
+    if "dtype" not in named:
+        kwargs["dtype"] = next(policy.parameters()).dtype
+    kwargs.setdefault("attn_implementation", policy.config._attn_implementation)
+    return kwargs
+
+
+def tokenizer_init_kwargs(args) -> dict:
+    """`AutoTokenizer.from_pretrained` keyword arguments: `trust_remote_code`, and the model's `revision`."""
+    revision = (args.model_init_kwargs or {}).get("revision")
+    return {"trust_remote_code": args.trust_remote_code} | ({"revision": revision} if revision else {})
+
+
+def reward_model_loading(args) -> dict:
+    """`scoring.load_reward_model`'s keyword arguments for a reward model given by name: as TRL,
+    `model_init_kwargs` with `trust_remote_code`, the checkpoint's dtype unless they name one, and
+    the chat template's `chat_template_kwargs`."""
+    return {
+        "model_kwargs": model_init_kwargs(args, default_dtype="auto"),
+        "tokenizer_kwargs": tokenizer_init_kwargs(args),
+        "chat_template_kwargs": args.chat_template_kwargs,
+    }
+
+
+def check_quantization_config(config) -> None:
+    """Fail before loading when a bitsandbytes `quantization_config` cannot be used here."""
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+    if method == "bitsandbytes" and importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(
+            "quantization_config is a BitsAndBytesConfig, but the bitsandbytes package is not installed: "
+            "`pip install bitsandbytes` (4-bit / 8-bit loading needs a GPU it supports), or drop quantization_config."
+        )
+
+
+def load_policy(
+    model: str | PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    args,
+    init_kwargs: dict | None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The policy and its tokenizer: loaded by name with `init_kwargs` (`model_init_kwargs`), or a
+    model given as an object, whose `model_init_kwargs` / `quantization_config` are then ignored."""
+    if isinstance(model, str):
+        tokenizer = tokenizer or load_tokenizer(model, **tokenizer_init_kwargs(args))
+        return load_model(model, **init_kwargs), tokenizer
+    if args.model_init_kwargs or "quantization_config" in (init_kwargs or {}):
+        logger.warning(
+            "The model was passed as an object: model_init_kwargs and quantization_config, which apply to a "
+            "model given by name, are not used here."
+        )
+    return model, tokenizer or load_tokenizer(model.name_or_path, **tokenizer_init_kwargs(args))
 
 
 def _bad_setting(name_or_path: str, problem: str) -> str:

@@ -74,11 +74,18 @@ def tool_episodes(
     max_completion_length: int,
     timeout: float,
     device: torch.device,
+    chat_template_kwargs: dict | None = None,
+    pad_to_multiple_of: int | None = None,
 ) -> tuple[Rollout, list[list[dict]], list[Episode]]:
     """Chat prompts, each with its row's tools (`schemas[i]`) described (`tools.render_tool_prompt`),
-    then `run_episodes`."""
-    texts = [render_tool_prompt(tokenizer, p, s) for p, s in zip(prompts, schemas, strict=True)]
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, texts, max_prompt_length, device)
+    then `run_episodes`. `chat_template_kwargs` go to the chat template for the prompts and the tool
+    results; `pad_to_multiple_of` pads the tokenized prompts."""
+    texts = [
+        render_tool_prompt(tokenizer, p, s, chat_template_kwargs) for p, s in zip(prompts, schemas, strict=True)
+    ]
+    prompt_ids, prompt_mask = tokenize_prompts(
+        tokenizer, texts, max_prompt_length, device, pad_to_multiple_of
+    )
     return run_episodes(
         prompt_ids,
         prompt_mask,
@@ -89,6 +96,7 @@ def tool_episodes(
         max_iterations=max_iterations,
         max_completion_length=max_completion_length,
         timeout=timeout,
+        chat_template_kwargs=chat_template_kwargs,
     )
 
 
@@ -103,6 +111,7 @@ def run_episodes(
     max_iterations: int | None,
     max_completion_length: int,
     timeout: float,
+    chat_template_kwargs: dict | None = None,
 ) -> tuple[Rollout, list[list[dict]], list[Episode]]:
     """Episodes for (B, P) left-padded prompts; `tools[i]` are row i's tools by name, `schemas[i]`
     their descriptions (for a `response_template` parser to type the arguments).
@@ -110,7 +119,7 @@ def run_episodes(
     Returns the rollout (completions right-padded, with `tool_mask`), each episode's messages, and
     the episodes (their tool-call counts).
     """
-    render, parse = ToolResultRenderer(tokenizer), TurnParser(tokenizer)
+    render, parse = ToolResultRenderer(tokenizer, chat_template_kwargs), TurnParser(tokenizer)
     schemas = schemas or [[] for _ in tools]
     episodes = [Episode(ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
     for turn in itertools.count():

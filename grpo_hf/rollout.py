@@ -7,6 +7,7 @@ completion with no EOS within `max_completion_length` is flagged as truncated.
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,11 +52,16 @@ class Rollout:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)  # (B, P + C)
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict]) -> str:
-    """A prompt as text: plain text as is, chat messages through the tokenizer's chat template."""
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict], chat_template_kwargs: dict | None = None
+) -> str:
+    """A prompt as text: plain text as is, chat messages through the tokenizer's chat template
+    (with `chat_template_kwargs`, e.g. {"enable_thinking": False})."""
     if isinstance(prompt, str):
         return prompt
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+    )
 
 
 def message_text(value: str | list[dict]) -> str:
@@ -86,8 +92,10 @@ def tokenize_prompts(
     prompts: list[str],
     max_prompt_length: int | None,
     device: torch.device,
+    pad_to_multiple_of: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded (B, P) ids and mask; over-long prompts keep their last tokens, with a warning.
+    """Left-padded (B, P) ids and mask, P a multiple of `pad_to_multiple_of` if set; over-long
+    prompts keep their last tokens, with a warning.
 
     Text is tokenized as is, without special tokens: a chat template's output already holds them,
     and a plain-text prompt that needs a BOS token should carry it.
@@ -103,14 +111,16 @@ def tokenize_prompts(
             max_prompt_length,
         )
         encoded = [ids[-max_prompt_length:] for ids in encoded]
-    return left_padded(encoded, tokenizer.pad_token_id, device)
+    return left_padded(encoded, tokenizer.pad_token_id, device, pad_to_multiple_of)
 
 
 def left_padded(
-    rows: list[list[int]], pad_token_id: int, device: torch.device
+    rows: list[list[int]], pad_token_id: int, device: torch.device, multiple: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id lists as (B, W) ids left-padded with `pad_token_id` and their (B, W) mask."""
+    """Token id lists as (B, W) ids left-padded with `pad_token_id` and their (B, W) mask; W is the
+    longest row, rounded up to a multiple of `multiple` if given."""
     width = max(len(tokens) for tokens in rows)
+    width = width if multiple is None else -(-width // multiple) * multiple
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for row, tokens in enumerate(rows):
@@ -232,19 +242,22 @@ def generate(
     prompt_mask: torch.Tensor,
     config: GenerationConfig,
     backend: str = "auto",
+    all_done: Callable[[bool], bool] | None = None,
 ) -> Rollout:
     """One completion per prompt row (rows are already repeated G times), with a KV cache.
 
     Each distinct prompt is prefilled once and its cache shared by its copies; decoding stops as
     soon as every row has produced an EOS. Sampling uses the same logits processors as
     `model.generate`, so the knobs mean what they mean there. `backend` picks the decoder
-    (`engine.decoding.decoder_for`).
+    (`engine.decoding.decoder_for`). `all_done` (processes in lockstep, see
+    `sharding.unsharded_for_generation`) is asked at every step whether every process is done;
+    until then a process whose rows are done goes on running its model on a spare row.
     """
     was_training = model.training
     model.eval()
     try:
         completion_ids, sampler_logps = _decode(
-            model, prompt_ids, prompt_mask, config, backend
+            model, prompt_ids, prompt_mask, config, backend, all_done
         )  # (B, C) each
     finally:
         model.train(was_training)
@@ -261,13 +274,15 @@ def _decode(
     prompt_mask: torch.Tensor,
     config: GenerationConfig,
     backend: str,
+    all_done: Callable[[bool], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampling loop; returns (B, C) new tokens, C <= max_new_tokens, and their (B, C) float32
     log-probs under the distribution they were drawn from (free here: the scores are at hand).
 
     A row that has drawn an EOS leaves the decoder (`keep`): later steps run only the rows still
     going, so a round costs what its completions' lengths add up to rather than rows times the
-    longest. Its later columns hold `pad_token_id` and log-prob 0.
+    longest. Its later columns hold `pad_token_id` and log-prob 0. With `all_done`, a process whose
+    rows are all done keeps one of them in the decoder, fed its last token, until every process is.
     """
     decoder = decoder_for(model, config.max_new_tokens, backend)
     logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
@@ -283,19 +298,25 @@ def _decode(
     new_logps = torch.zeros((rows, config.max_new_tokens), device=device)
     going = torch.arange(rows, device=device)  # the decoder's rows, as rows of the batch
     sequence = prompt_ids  # (R, P + t) of the rows still going
+    done = False
     for step in range(config.max_new_tokens):
-        scores = processors(sequence, logits)  # (R, V)
-        token = sample_tokens(scores) if config.do_sample else scores.argmax(dim=-1)  # (R,)
-        new_tokens[going, step] = token
-        new_logps[going, step] = (
-            torch.log_softmax(scores.float(), dim=-1).gather(1, token.unsqueeze(1)).squeeze(1)
-        )
-        open_rows = (~torch.isin(token, eos)).nonzero().squeeze(1)  # (R',)
-        if open_rows.numel() == 0 or step + 1 == config.max_new_tokens:
+        if not done:
+            scores = processors(sequence, logits)  # (R, V)
+            token = sample_tokens(scores) if config.do_sample else scores.argmax(dim=-1)  # (R,)
+            new_tokens[going, step] = token
+            new_logps[going, step] = (
+                torch.log_softmax(scores.float(), dim=-1).gather(1, token.unsqueeze(1)).squeeze(1)
+            )
+            open_rows = (~torch.isin(token, eos)).nonzero().squeeze(1)  # (R',)
+            if open_rows.numel() == 0:
+                done = True
+                open_rows = open_rows.new_zeros(1)  # a spare row for lockstep decoding (all_done)
+        if step + 1 == config.max_new_tokens or (all_done(done) if all_done else done):
             break
         if open_rows.numel() < going.numel():
             decoder.keep(open_rows)
             going, sequence, token = going[open_rows], sequence[open_rows], token[open_rows]
-        sequence = torch.cat([sequence, token.unsqueeze(1)], dim=1)  # (R', P + t)
+        if not done:
+            sequence = torch.cat([sequence, token.unsqueeze(1)], dim=1)  # (R', P + t)
         logits = decoder(token)  # (R', V)
     return new_tokens[:, : step + 1], new_logps[:, : step + 1]  # (B, C), (B, C)

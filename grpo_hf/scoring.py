@@ -29,7 +29,7 @@ completion that gets None from every function is unscorable: a warning says so (
 import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -55,21 +55,34 @@ class RewardModel:
     model: nn.Module
     tokenizer: PreTrainedTokenizerBase
     name: str
+    chat_template_kwargs: dict = field(default_factory=dict)  # for apply_chat_template on chat prompts
 
 
-def load_reward_model(model: str | PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> RewardModel:
-    """A sequence-classification reward model (one label) with its tokenizer."""
+def load_reward_model(
+    model: str | PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    model_kwargs: dict | None = None,
+    tokenizer_kwargs: dict | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> RewardModel:
+    """A sequence-classification reward model (one label) with its tokenizer; `model_kwargs` and
+    `tokenizer_kwargs` go to their `from_pretrained` (`trust_remote_code`, `model_init_kwargs`)."""
     if isinstance(model, str):
-        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
-        model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(model, **(tokenizer_kwargs or {}))
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model, num_labels=1, **(model_kwargs or {})
+        )
     elif tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(model.name_or_path, **(tokenizer_kwargs or {}))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
     model.eval().requires_grad_(False)
     return RewardModel(
-        model, tokenizer, name=model.name_or_path.rstrip("/").rsplit("/", 1)[-1] or type(model).__name__
+        model,
+        tokenizer,
+        name=model.name_or_path.rstrip("/").rsplit("/", 1)[-1] or type(model).__name__,
+        chat_template_kwargs=chat_template_kwargs or {},
     )
 
 
@@ -77,10 +90,12 @@ def reward_functions(
     reward_funcs: RewardFunc | str | PreTrainedModel | list | None,
     tokenizers: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase | None] | None,
     reward_weights: list[float] | None,
+    **loading,
 ) -> list[RewardFunc | RewardModel]:
-    """The reward callables and models (ids and models loaded), checked against `reward_weights` and
-    `reward_processing_classes` (`tokenizers`: one, or one per function, used by reward models).
-    None or [] give none (an environment's `get_reward` may be the reward)."""
+    """The reward callables and models (ids and models loaded with `load_reward_model`'s keyword
+    arguments `loading`), checked against `reward_weights` and `reward_processing_classes`
+    (`tokenizers`: one, or one per function, used by reward models). None or [] give none (an
+    environment's `get_reward` may be the reward)."""
     funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     if reward_weights is not None and len(reward_weights) != len(funcs):
         raise ValueError(
@@ -89,7 +104,7 @@ def reward_functions(
         )
     tokenizers = _per_function(tokenizers, len(funcs))
     return [
-        load_reward_model(f, tok) if isinstance(f, str | PreTrainedModel) else f
+        load_reward_model(f, tok, **loading) if isinstance(f, str | PreTrainedModel) else f
         for f, tok in zip(funcs, tokenizers, strict=True)
     ]
 
@@ -284,7 +299,7 @@ def warn_unscored(rewards: torch.Tensor, prompts: list, completions: list) -> No
 def score_with_model(reward: RewardModel, prompts: list, completions: list) -> list[float]:
     """The reward model's first logit for each prompt + completion."""
     texts = [
-        _join(reward.tokenizer, prompt, completion)
+        _join(reward.tokenizer, prompt, completion, reward.chat_template_kwargs)
         for prompt, completion in zip(prompts, completions, strict=True)
     ]
     # A chat template writes the special tokens (BOS) itself: adding them again would double BOS.
@@ -297,10 +312,12 @@ def score_with_model(reward: RewardModel, prompts: list, completions: list) -> l
     return logits[:, 0].float().tolist()
 
 
-def _join(tokenizer: PreTrainedTokenizerBase, prompt: str | list, completion: str | list) -> str:
+def _join(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list, completion: str | list, chat_template_kwargs: dict
+) -> str:
     if isinstance(prompt, str):
         return prompt + completion
     messages = prompt + completion
     if tokenizer.chat_template is not None:
-        return tokenizer.apply_chat_template(messages, tokenize=False)
+        return tokenizer.apply_chat_template(messages, tokenize=False, **chat_template_kwargs)
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)

@@ -2,7 +2,8 @@
 
 - `prepare_reference`: a frozen reference placed like the policy (sharded under FSDP2 and ZeRO-3).
 - `unsharded_for_generation`: whole parameters while decoding, so processes that stop at
-  different steps issue no mismatched collectives.
+  different steps issue no mismatched collectives; or, under ZeRO-3 with
+  `ds3_gather_for_generation=False`, partitioned parameters and decoding in lockstep.
 - `parameters_for_mixing`: the policy and reference parameters in a form that parameter-wise
   arithmetic (`sync_ref_model`) can use: matching shards under FSDP2, gathered under ZeRO-3.
 Without FSDP or ZeRO-3 each is the plain Accelerate call or does nothing.
@@ -10,8 +11,9 @@ Without FSDP or ZeRO-3 each is the plain Accelerate call or does nothing.
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch import nn
@@ -39,7 +41,9 @@ def prepare_reference(accelerator: Accelerator, ref: nn.Module, policy: nn.Modul
 
 
 @contextlib.contextmanager
-def unsharded_for_generation(model: nn.Module, accelerator: Accelerator | None = None) -> Iterator[None]:
+def unsharded_for_generation(
+    model: nn.Module, accelerator: Accelerator | None = None, gather: bool = True
+) -> Iterator[Callable[[bool], bool] | None]:
     """All-gather the parameters once and keep them whole while decoding. Every process enters.
 
     Decoding calls the model once per token and each process stops when its own rows are done.
@@ -47,9 +51,16 @@ def unsharded_for_generation(model: nn.Module, accelerator: Accelerator | None =
     issue mismatched collectives (a crash or a hang); with whole parameters decoding needs none,
     and saves an all-gather per token, at the cost of holding the whole model during generation.
     Without an accelerator (before training), only a model partitioned at load by ZeRO-3 is gathered.
+
+    `gather=False` (`ds3_gather_for_generation`) under ZeRO-3 leaves the parameters partitioned:
+    each layer is gathered at each forward, so no process holds the whole model. Then it yields
+    `all_done(done) -> bool`, which decoding calls once per step on every process (an all-reduce)
+    and stops only when every process is done: the processes decode in lockstep. Otherwise None.
     """
     engine = None if accelerator is None else _zero3_engine(accelerator)
-    if engine is not None:
+    if engine is not None and not gather:
+        yield _lockstep(accelerator)
+    elif engine is not None:
         with _whole_zero3_parameters(engine):
             yield
     elif zero3_partitioned(model):
@@ -84,6 +95,16 @@ def parameters_for_mixing(accelerator: Accelerator, ref: nn.Module, policy: nn.M
             if isinstance(module, FSDPModule):
                 module.reshard()
     yield
+
+
+def _lockstep(accelerator: Accelerator) -> Callable[[bool], bool]:
+    """`all_done(done)`: whether every process says it is done (every process calls it, once per step)."""
+
+    def all_done(done: bool) -> bool:
+        going = torch.tensor([0.0 if done else 1.0], device=accelerator.device)  # (1,)
+        return accelerator.reduce(going, "sum").item() == 0
+
+    return all_done
 
 
 # ---- FSDP2 ----------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 How one generation round flows through the Trainer's loop:
 - The train dataloader yields, per micro-step, this process's share of a whole generation batch
-  (every prompt repeated G times; `GroupSampler`), the same batch `steps_per_generation x
-  num_iterations` times in a row.
+  (every prompt repeated G times; `GroupSampler`, or for a streamed dataset `streaming.GroupStream`),
+  the same batch `steps_per_generation x num_iterations` times in a row.
 - `_prepare_inputs` generates and scores on the first of those micro-steps, gathers rewards from
   every process to compute group advantages, computes old / reference log-probs once, and splits
   the result into `steps_per_generation` micro-batches that the following micro-steps consume.
@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from peft import PeftConfig
 from torch import nn
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -49,7 +49,16 @@ from grpo_hf.checkpoints import (
 )
 from grpo_hf.completion_logs import CompletionLog, completion_rows
 from grpo_hf.config import GRPOConfig
-from grpo_hf.data import GroupSampler, check_prompt_dataset, extra_prompt_indices, split_batch, trim_padding
+from grpo_hf.data import (
+    GroupSampler,
+    check_batching,
+    check_prompt_dataset,
+    is_stream,
+    keep_rows,
+    padded_to_multiple,
+    split_batch,
+    trim_padding,
+)
 from grpo_hf.dynamic_sampling import ScoredRound, gather_round, sample_teaching_groups
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.generation_copy import GenerationCopy
@@ -63,7 +72,16 @@ from grpo_hf.environments import (
 )
 from grpo_hf.loss import adaptive_beta, grpo_loss, sampler_is_weights
 from grpo_hf.metrics import IntervalMetrics, StepTimer, round_metrics
-from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
+from grpo_hf.models import (
+    disable_dropout,
+    load_model,
+    load_policy,
+    model_init_kwargs,
+    reference_init_kwargs,
+    reward_model_loading,
+    wrap_with_peft,
+)
+from grpo_hf.moe import RouterAuxLoss
 from grpo_hf.multi_turn import episode_counts, tool_episodes, tool_metrics
 from grpo_hf.reference import build_reference, is_peft_model, mix_into_reference, reference_context
 from grpo_hf.reward_outputs import RewardLogs
@@ -81,6 +99,7 @@ from grpo_hf.sharding import (
     unsharded_for_generation,
     zero3_partitioned,
 )
+from grpo_hf.streaming import extra_prompt_source, group_stream, read_in_process
 from grpo_hf.tools import Toolbox, check_tool_call_format
 
 logger = logging.getLogger(__name__)
@@ -104,14 +123,15 @@ class GRPOTrainer(Trainer):
         model: str | PreTrainedModel,
         reward_funcs: RewardFunc | str | PreTrainedModel | list | None = None,
         args: GRPOConfig | None = None,
-        train_dataset: Dataset | None = None,
-        eval_dataset: Dataset | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | dict[str, Dataset | IterableDataset] | None = None,
         processing_class: PreTrainedTokenizerBase | None = None,
         reward_processing_classes: PreTrainedTokenizerBase | list | None = None,
         peft_config: PeftConfig | None = None,
         ref_model: str | PreTrainedModel | None = None,
         tools: list[Callable] | None = None,
         environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None = None,
+        quantization_config=None,
         **kwargs,
     ):
         args = GRPOConfig(output_dir="outputs/grpo") if args is None else args
@@ -123,6 +143,7 @@ class GRPOTrainer(Trainer):
         if eval_dataset is not None:
             args.check_eval_batch()
         train_dataset = train_dataset_or_placeholder(train_dataset, pool, args)
+        check_batching(args, train_dataset)
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
             if dataset is not None:
                 check_prompt_dataset(
@@ -133,18 +154,17 @@ class GRPOTrainer(Trainer):
         toolbox = Toolbox(tools, pool.probes if pool else None)
         self.toolbox, self.tools = (toolbox if toolbox.tools else None), toolbox.tools
         self.environments: list | None = None  # the environments of the latest rollouts (TRL's attribute)
-        self.reward_funcs = reward_functions(reward_funcs, reward_processing_classes, args.reward_weights)
+        init_kwargs = model_init_kwargs(args, quantization_config)
+        self.reward_funcs = reward_functions(
+            reward_funcs, reward_processing_classes, args.reward_weights, **reward_model_loading(args)
+        )
         self.reward_processing_classes = reward_tokenizers(self.reward_funcs, reward_processing_classes)
         weights = args.reward_weights or [1.0] * len(self.reward_funcs)
         self.reward_funcs += pool.reward_functions() if pool else []  # weight 1 each, as in TRL
         self.reward_processing_classes += [None] * (len(self.reward_funcs) - len(weights))
         self.reward_func_names = [reward_name(func) for func in self.reward_funcs]
         check_reward_source(self.reward_funcs)
-        if isinstance(model, str):
-            processing_class = processing_class or load_tokenizer(model)
-            model = load_model(model)
-        elif processing_class is None:
-            processing_class = load_tokenizer(model.name_or_path)
+        model, processing_class = load_policy(model, processing_class, args, init_kwargs)
         if processing_class.pad_token_id is None:
             raise ValueError(
                 "The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos_token) and pass it "
@@ -160,17 +180,18 @@ class GRPOTrainer(Trainer):
             raise ValueError(
                 "sync_ref_model needs a copied reference; with peft_config the base model is it."
             )
+        self.router_aux = RouterAuxLoss(model, args.router_aux_loss_coef)
         super().__init__(
             model=model,
             args=args,
-            data_collator=lambda rows: rows,
+            data_collator=keep_rows,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
             **kwargs,
         )
         self.loss_is_scaled_for_ga = False  # the Trainer divides our loss by the accumulation steps
-        self.ref_model = self._build_reference(ref_model, peft_config is not None)
+        self.ref_model = self._build_reference(ref_model, peft_config is not None, init_kwargs)
         for reward in self.reward_funcs:
             if isinstance(reward, RewardModel):
                 reward.model = self.accelerator.prepare_model(reward.model, evaluation_mode=True)
@@ -184,8 +205,10 @@ class GRPOTrainer(Trainer):
         self._micro_step = 0
         self._buffer: list[dict] = []
         self._extra_prompts = 0  # position in dynamic sampling's extra prompt stream (checkpointed)
+        self._extra_source = extra_prompt_source(self.train_dataset, args.seed, self.toolbox is not None)
         self._round_kl: list[float] = []
         self.metrics = IntervalMetrics()
+        self._eval_prefix = "eval"  # the running evaluation's metric prefix (`evaluate`)
         self.add_callback(StepTimer(self.record))
         self.add_callback(self.completion_log)
         self.add_callback(NonFiniteGuard(self.record))
@@ -193,8 +216,11 @@ class GRPOTrainer(Trainer):
         self.interrupt = SaveOnInterrupt()
         self.add_callback(self.interrupt)
 
-    def _build_reference(self, ref_model: str | PreTrainedModel | None, lora: bool) -> nn.Module | None:
-        """The frozen reference (None when beta = 0 or with LoRA), prepared like the policy."""
+    def _build_reference(
+        self, ref_model: str | PreTrainedModel | None, lora: bool, init_kwargs: dict
+    ) -> nn.Module | None:
+        """The frozen reference (None when beta = 0 or with LoRA), prepared like the policy; one loaded
+        by name as the policy was (`models.reference_init_kwargs`)."""
         partitioned = zero3_partitioned(self.model)
         if ref_model is None and self.args.beta > 0 and not lora and partitioned and self.model.name_or_path:
             # ZeRO-3 partitioned the policy as it loaded (zero.Init): load the reference the same way.
@@ -204,7 +230,8 @@ class GRPOTrainer(Trainer):
             )
             ref_model = self.model.name_or_path
         if isinstance(ref_model, str):
-            ref_model = load_model(ref_model)
+            policy = self.accelerator.unwrap_model(self.model)
+            ref_model = load_model(ref_model, **reference_init_kwargs(self.args, init_kwargs, policy))
         reference = build_reference(self.model, self.args.beta, ref_model)
         return None if reference is None else prepare_reference(self.accelerator, reference, self.model)
 
@@ -218,6 +245,7 @@ class GRPOTrainer(Trainer):
             prompts_per_batch=args.generation_batch_size // args.num_generations,
             repeats=self.round_length,
             seed=args.seed,
+            shuffle=args.shuffle_dataset,
         )
 
     def get_train_dataloader(self):
@@ -231,7 +259,28 @@ class GRPOTrainer(Trainer):
         )
 
     def _get_eval_sampler(self, eval_dataset: Dataset) -> Sampler:
-        return GroupSampler(len(eval_dataset), self.args.num_generations, 1, 1, self.args.seed)
+        return GroupSampler(len(eval_dataset), self.args.num_generations_eval, 1, 1, self.args.seed)
+
+    def _get_dataloader(
+        self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None
+    ) -> DataLoader:
+        """The Trainer's dataloader; a stream's rows come in group order (`streaming.GroupStream`),
+        read in this process."""
+        if not is_training:
+            self.args.check_eval_batch()  # also for a dataset handed to evaluate() directly
+        if not is_stream(dataset):
+            return super()._get_dataloader(
+                dataset, description, batch_size, sampler_fn, is_training, dataloader_key
+            )
+        name = "train_dataset" if is_training else "eval_dataset"
+        name += f"[{dataloader_key!r}]" if dataloader_key not in (None, "eval") else ""
+        stream = group_stream(dataset, self.args, name, self.toolbox is not None, training=is_training)
+        with read_in_process(self.args):
+            return super()._get_dataloader(stream, description, batch_size, None, is_training, dataloader_key)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        """remove_unused_columns=True keeps only 'prompt' (the model's forward takes no dataset column)."""
+        self._signature_columns = ["prompt"]
 
     def _log_precision(self) -> None:
         """Say which precision precision='auto' chose, or that an explicit --bf16 will be emulated."""
@@ -280,6 +329,11 @@ class GRPOTrainer(Trainer):
         batch = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
         return batch
+
+    @property
+    def group_size(self) -> int:
+        """Completions per prompt: num_generations in training, num_generations_eval in evaluation."""
+        return self.args.num_generations if self.model.training else self.args.num_generations_eval
 
     @property
     def round_length(self) -> int:
@@ -353,14 +407,16 @@ class GRPOTrainer(Trainer):
         else:
             prompt_ids, prompt_mask = rollout.tokenize_prompts(
                 self.processing_class,
-                [rollout.render_prompt(self.processing_class, p) for p in prompts],
+                [rollout.render_prompt(self.processing_class, p, args.chat_template_kwargs) for p in prompts],
                 args.max_prompt_length,
                 device,
+                args.pad_to_multiple_of,
             )
             result = self.generate_completions(prompt_ids, prompt_mask)
             completions = rollout.decode_completions(
                 self.processing_class, result, chat=not isinstance(prompts[0], str)
             )
+        result = padded_to_multiple(result, args.pad_to_multiple_of, self.processing_class.pad_token_id)
         seconds = time.perf_counter() - start
         completion_ids = [
             ids[mask.bool()].tolist()
@@ -390,6 +446,8 @@ class GRPOTrainer(Trainer):
             max_completion_length=args.max_completion_length,
             timeout=args.tool_timeout,
             device=self.accelerator.device,
+            chat_template_kwargs=args.chat_template_kwargs,
+            pad_to_multiple_of=args.pad_to_multiple_of,
         )
         if self.environments is not None:  # an abandoned call may still be running on its environment
             self.environment_pool.discard(
@@ -422,16 +480,14 @@ class GRPOTrainer(Trainer):
         """This process's rows of one extra round: the extra stream's next prompts, G rows each."""
         args = self.args
         count = args.generation_batch_size // args.num_generations
-        indices = extra_prompt_indices(len(self.train_dataset), args.seed, self._extra_prompts, count)
+        prompts = self._extra_source.take(self._extra_prompts, count)
         self._extra_prompts += count
         start = self.accelerator.process_index * share
-        mine = [i for i in indices for _ in range(args.num_generations)][start : start + share]
-        fetched = {i: self.train_dataset[i] for i in dict.fromkeys(mine)}  # each prompt read once
-        return [fetched[i] for i in mine]
+        return [row for row in prompts for _ in range(args.num_generations)][start : start + share]
 
     def _complete_micro_batch(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> dict:
         """Trim padding and add old / reference log-probs (no grad, once per round)."""
-        batch = trim_padding(batch)
+        batch = trim_padding(batch, self.args.pad_to_multiple_of)
         batch["dapo_normalizer"] = normalizer
         with torch.no_grad(), self.compute_loss_context_manager():  # the loss's precision (bf16 autocast)
             if self.needs_old_logps():
@@ -484,15 +540,15 @@ class GRPOTrainer(Trainer):
             if self.generation_copy
             else self.accelerator.unwrap_model(self.model)
         )
-        with unsharded_for_generation(model, self.accelerator):
-            return rollout.generate(model, prompt_ids, prompt_mask, config, args.generation_backend)
+        with unsharded_for_generation(model, self.accelerator, args.ds3_gather_for_generation) as all_done:
+            return rollout.generate(model, prompt_ids, prompt_mask, config, args.generation_backend, all_done)
 
     def _advantages(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every process's rewards (N, F), their aggregate (N,) and advantages (N,) (`advantages`)."""
         args = self.args
         all_rewards = self.accelerator.gather(rewards_per_func)  # (N, F)
         weights = self.reward_weights.to(all_rewards.device)
-        aggregation, generations = args.multi_objective_aggregation, args.num_generations
+        aggregation, generations = args.multi_objective_aggregation, self.group_size
         aggregated = aggregate_rewards(all_rewards, weights, generations, aggregation)  # (N,)
         advantages = compute_advantages(aggregated, generations, args.scale_rewards, aggregation)  # (N,)
         return all_rewards, aggregated, advantages
@@ -501,7 +557,8 @@ class GRPOTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
-        logps, entropy = self.completion_logps(model, inputs, with_entropy=True)  # (B, C), (B, C)
+        with self.router_aux.recording() as routed:  # MoE router logits, when their loss is on
+            logps, entropy = self.completion_logps(model, inputs, with_entropy=True)  # (B, C), (B, C)
         old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C) pi_old
         loss, metrics = grpo_loss(
             logps,
@@ -522,6 +579,7 @@ class GRPOTrainer(Trainer):
             dapo_normalizer=inputs["dapo_normalizer"],
             sampler_weights=self._sampler_weights(old, inputs),
         )
+        loss = self.router_aux.added_to(loss, routed, inputs, metrics)
         self._record_loss_metrics(metrics, old, inputs)
         return (loss, None) if return_outputs else loss
 
@@ -542,6 +600,8 @@ class GRPOTrainer(Trainer):
             scalars |= {"sampler/ratio_sum": ratio.sum(), "sampler/ratio_max": ratio.max()}
         values = dict(zip(scalars, torch.stack([v.float() for v in scalars.values()]).tolist(), strict=True))
         tokens = values.pop("tokens")
+        if "aux_loss" in values:  # a mean over micro-batches, as TRL logs it, not over tokens
+            self.record({"aux_loss": values.pop("aux_loss")})
         if "sampler/ratio_sum" in values:
             self.record_token_means(
                 {"sampler/ratio_mean": values.pop("sampler/ratio_sum") / max(tokens, 1)}, tokens
@@ -590,20 +650,27 @@ class GRPOTrainer(Trainer):
         self.metrics.record_token_means("train" if self.model.training else "eval", means, tokens)
 
     def _record_round(self, scored: ScoredRound, all_rewards, aggregated, all_advantages) -> None:
-        args = self.args
         values = round_metrics(
             scored, all_rewards, aggregated, all_advantages, self.reward_weights, self.reward_func_names,
-            args.num_generations, self.accelerator,
+            self.group_size, self.accelerator,
         )  # fmt: skip
         tokens = values.pop("tokens")
         if self.model.training:
             self.state.num_input_tokens_seen += int(tokens)
         self.record(values | {"num_tokens": self.state.num_input_tokens_seen, "beta": self.beta})
 
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Evaluate as the Trainer does; each of a dict of eval datasets logs its GRPO metrics under
+        its own prefix too (eval_<name>_reward, ...), as it does its loss."""
+        self._eval_prefix = metric_key_prefix
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the interval's GRPO metrics (`metrics.IntervalMetrics.reduce`), then log as usual."""
         mode = "train" if self.model.training else "eval"
-        prefix = "eval_" if mode == "eval" else ""
+        prefix = f"{self._eval_prefix}_" if mode == "eval" else ""
         logs.update({prefix + k: v for k, v in self.metrics.reduce(mode, self.accelerator).items()})
         super().log(logs, start_time)
         if self.is_world_process_zero():

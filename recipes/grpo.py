@@ -22,7 +22,7 @@ from transformers import HfArgumentParser
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.evaluation import greedy_accuracy
-from grpo_hf.models import DEFAULT_MODEL, load_model, load_tokenizer
+from grpo_hf.models import DEFAULT_MODEL, load_model, load_tokenizer, model_init_kwargs, tokenizer_init_kwargs
 from grpo_hf.plotting import plot_training
 from grpo_hf.sharding import unsharded_for_generation
 from grpo_hf.tasks import TASKS
@@ -110,8 +110,10 @@ def train_and_report(script: ScriptArguments, model_args: ModelArguments, args: 
             "merge the saved adapter afterwards (PeftModel.from_pretrained(base, output_dir).merge_and_unload())."
         )
     data = task.build(num_train=script.num_train, num_test=script.num_test, seed=args.seed)
-    tokenizer = load_tokenizer(model_args.model_name_or_path)
-    model = load_model(model_args.model_name_or_path)
+    tokenizer = load_tokenizer(model_args.model_name_or_path, **tokenizer_init_kwargs(args))
+    model = load_model(
+        model_args.model_name_or_path, **model_init_kwargs(args)
+    )  # as GRPOTrainer loads by name
     peft_config = None
     if model_args.use_peft:
         peft_config = LoraConfig(

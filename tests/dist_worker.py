@@ -61,6 +61,8 @@ class Scenario:
     nonfinite_steps: tuple[int, ...] = ()  # optimizer steps (1-based) whose loss is multiplied by inf
     lr_scheduler_type: str = "linear"
     max_completion_length: int = 8
+    stream: bool = False  # the train dataset as a datasets.IterableDataset (shuffled through its buffer)
+    ds3_gather_for_generation: bool = True
 
 
 SCENARIOS = {
@@ -81,6 +83,11 @@ SCENARIOS = {
     # The real decode loop; under uneven_stop the processes finish decoding at different steps.
     "sampled": Scenario(num_generations=8, completions="sampled"),
     "uneven_stop": Scenario(num_generations=8, completions="uneven_stop", max_steps=1),
+    # The same under ZeRO-3 without gathering the model for generation: the processes decode in
+    # lockstep, each layer gathered at each step (elsewhere the setting changes nothing).
+    "no_gather_uneven_stop": Scenario(
+        num_generations=8, completions="uneven_stop", max_steps=1, ds3_gather_for_generation=False
+    ),
     "lora_uneven_stop": Scenario(num_generations=8, lora=True, completions="uneven_stop", max_steps=2),
     # DAPO dynamic sampling: half the prompts give every completion the same reward, so groups are
     # dropped and extra rounds generated; the kept groups move between processes.
@@ -92,6 +99,10 @@ SCENARIOS = {
     # Two-turn tool episodes (a call of `add`, its result, an answer): the tool results' tokens are
     # in the context but out of the loss, on every process.
     "tools": Scenario(num_generations=8, completions="tools", max_completion_length=256),
+    # A streamed train dataset: every process reads the whole stream and keeps its slice of each
+    # batch, so G = 8 straddles the processes as with the sampler. 3 steps of 2 prompts over 4
+    # prompts: the third round starts the stream's second (reshuffled) pass.
+    "stream": Scenario(num_generations=8, global_batch=16, stream=True),
 }
 
 
@@ -163,12 +174,27 @@ class SamplingTrainer(RecordingTrainer):
 
 class UnevenStopTrainer(SamplingTrainer):
     """Every token ends a completion on the main process only: it stops decoding after one token,
-    while the other processes decode up to max_completion_length."""
+    while the other processes decode up to max_completion_length.
+
+    Records how many modules carried forward pre-hooks while decoding (ZeRO-3's per-module
+    gathering hooks, which the whole-model gather removes; 0 without ZeRO-3)."""
+
+    hooked_modules_in_decoding = 0
 
     def generate_completions(self, prompt_ids, prompt_mask):
         if self.accelerator.is_main_process:
             self.eos_token_ids = list(range(self.model.config.vocab_size))
-        return super().generate_completions(prompt_ids, prompt_mask)
+        root = self.accelerator.unwrap_model(self.model)
+
+        def count(module, args):
+            hooked = sum(bool(m._forward_pre_hooks) for m in root.modules() if m is not root)
+            self.hooked_modules_in_decoding = max(self.hooked_modules_in_decoding, hooked)
+
+        handle = root.register_forward_pre_hook(count)
+        try:
+            return super().generate_completions(prompt_ids, prompt_mask)
+        finally:
+            handle.remove()
 
 
 class ToolEpisodesTrainer(RecordingTrainer):
@@ -244,6 +270,7 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
         max_dynamic_sampling_rounds=3,
         lr_scheduler_type=scenario.lr_scheduler_type,
         max_completion_length=scenario.max_completion_length,
+        ds3_gather_for_generation=scenario.ds3_gather_for_generation,
     )
     force_fsdp_on_cpu()
     peft_config = (
@@ -253,7 +280,9 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
         model=tiny_llama(),
         reward_funcs=REWARDS[scenario.reward],
         args=args,
-        train_dataset=chat_dataset(8),
+        train_dataset=chat_dataset(4 if scenario.stream else 8).to_iterable_dataset()
+        if scenario.stream
+        else chat_dataset(8),
         processing_class=tiny_tokenizer(),
         peft_config=peft_config,
         tools=[add] if scenario.completions == "tools" else None,
@@ -270,6 +299,8 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
         "policy_sharded": is_sharded(trainer.model),
         "reference_sharded": is_sharded(trainer.ref_model),
     }
+    if isinstance(trainer, UnevenStopTrainer):
+        info["hooked_modules_in_decoding"] = trainer.hooked_modules_in_decoding
     if trainer.accelerator.is_main_process:
         os.makedirs(folder, exist_ok=True)
         save_file(initial, os.path.join(folder, "initial.safetensors"))

@@ -225,3 +225,12 @@ def test_a_constant_batch_gets_exactly_zero_under_normalize_then_sum():
 def test_unknown_aggregation_raises():
     with pytest.raises(ValueError, match="multi_objective_aggregation='mean'"):
         aggregate_rewards(PER_FUNC, WEIGHTS, 2, "mean")
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_groups_of_one_get_advantage_zero_not_nan(scale_rewards):
+    # num_generations_eval=1: each reward is its own group's mean, r - mean = 0; the std of one value
+    # counts as 0 (torch.std would give NaN, and 0 / NaN is NaN), so A = 0 / (0 + eps) = 0.
+    advantages = group_advantages(torch.tensor([1.0, 3.0]), 1, scale_rewards)
+    assert advantages.tolist() == [0.0, 0.0]
+    assert group_advantages(torch.tensor([2.0]), 1, scale_rewards).tolist() == [
+        0.0
+    ]  # batch std of one value too

@@ -27,6 +27,15 @@ def make(tmp_path, **kwargs) -> GRPOConfig:
         ({"log_completions_hub_repo": "me/completions"}, ["log_completions_hub_repo", "log_completions"]),
         ({"importance_sampling_level": "group"}, ["importance_sampling_level"]),
         ({"generation_backend": "vllm"}, ["generation_backend"]),
+        ({"num_generations_eval": 0}, ["num_generations_eval"]),
+        ({"router_aux_loss_coef": -0.1}, ["router_aux_loss_coef"]),
+        ({"model_init_kwargs": "dtype=bfloat16"}, ["model_init_kwargs", "JSON"]),
+        ({"auto_find_batch_size": True}, ["auto_find_batch_size", "per_device_train_batch_size"]),
+        # evaluation with fewer completions per prompt: its batch must hold whole groups of those
+        (
+            {"per_device_eval_batch_size": 4, "num_generations_eval": 3, "eval_strategy": "steps"},
+            ["per_device_eval_batch_size", "num_generations_eval"],
+        ),
         # 6 completions per round cannot hold whole groups of 4
         (
             {"per_device_train_batch_size": 6, "num_generations": 4},
@@ -130,6 +139,11 @@ def test_steps_per_generation_derives_generation_batch_size(tmp_path):
     # 6 per micro-step is not a multiple of 4, but 2 steps make 12 = 3 whole groups
     config = make(tmp_path, per_device_train_batch_size=6, num_generations=4, steps_per_generation=2)
     assert config.generation_batch_size == 12
+
+
+def test_num_generations_eval_defaults_to_num_generations(tmp_path):
+    assert make(tmp_path, num_generations=4).num_generations_eval == 4
+    assert make(tmp_path, num_generations=4, num_generations_eval=1).num_generations_eval == 1
 
 
 def test_eval_batch_is_not_checked_without_evaluation(tmp_path):

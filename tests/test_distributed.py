@@ -48,12 +48,14 @@ COMPARED = [
     "save",
     "dynamic",
     "tools",
+    "stream",
 ]
 NONFINITE = ["nonfinite"]  # compared by its own test: the skipped step logs grad_norm nan or inf
 SAMPLED = [
     "sampled",
     "uneven_stop",
     "lora_uneven_stop",
+    "no_gather_uneven_stop",
 ]  # real sampling: compared between the 2-process backends only
 # Metrics computed from tensors gathered over all processes: equal to the single-process values.
 GLOBAL_METRICS = [
@@ -246,6 +248,16 @@ def test_zero3_really_shards(zero3, zero2):
     }
     stage2 = json.loads((zero2 / "g8_dapo" / "run_info.json").read_text())
     assert stage2["distributed_type"] == str(DistributedType.DEEPSPEED) and not stage2["policy_sharded"]
+
+
+def test_zero3_decodes_with_the_model_partitioned_when_asked(zero3):
+    """ds3_gather_for_generation=False: ZeRO-3's per-module gathering hooks stay on while decoding
+    (the whole-model gather takes them off); test_real_sampling_sharded_matches_ddp checks that the
+    processes, which stop at different steps, still decode in step and train as DDP does."""
+    gathered = json.loads((zero3 / "uneven_stop" / "run_info.json").read_text())
+    partitioned = json.loads((zero3 / "no_gather_uneven_stop" / "run_info.json").read_text())
+    assert gathered["hooked_modules_in_decoding"] == 0
+    assert partitioned["hooked_modules_in_decoding"] > 0
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "zero2", "zero3"])
