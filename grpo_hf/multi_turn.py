@@ -81,7 +81,8 @@ def tool_episodes(
     then `run_episodes`. `chat_template_kwargs` go to the chat template for the prompts and the tool
     results; `pad_to_multiple_of` pads the tokenized prompts."""
     texts = [
-        render_tool_prompt(tokenizer, p, s, chat_template_kwargs) for p, s in zip(prompts, schemas, strict=True)
+        render_tool_prompt(tokenizer, p, s, chat_template_kwargs)
+        for p, s in zip(prompts, schemas, strict=True)
     ]
     prompt_ids, prompt_mask = tokenize_prompts(
         tokenizer, texts, max_prompt_length, device, pad_to_multiple_of

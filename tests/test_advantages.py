@@ -225,6 +225,8 @@ def test_a_constant_batch_gets_exactly_zero_under_normalize_then_sum():
 def test_unknown_aggregation_raises():
     with pytest.raises(ValueError, match="multi_objective_aggregation='mean'"):
         aggregate_rewards(PER_FUNC, WEIGHTS, 2, "mean")
+
+
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
 def test_groups_of_one_get_advantage_zero_not_nan(scale_rewards):
     # num_generations_eval=1: each reward is its own group's mean, r - mean = 0; the std of one value
