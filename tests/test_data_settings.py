@@ -179,7 +179,7 @@ def test_chat_template_kwargs_reach_every_rendering_of_a_chat():
         render_prompt(tokenizer, prompt, kwargs)
         == "[m]<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
-    schemas = Toolbox([length_tool], None).schemas
+    schemas = Toolbox([length_tool], None).schemas[None]  # the shared tools' schemas
     assert render_tool_prompt(tokenizer, prompt, schemas, kwargs).startswith(
         "[m]<|im_start|>system\nYou can call"
     )
@@ -254,7 +254,8 @@ def test_remove_unused_columns_keeps_only_the_prompt(tmp_path, remove):
         )
         trainer.train()
     extra = [] if remove else ["answer"]
-    assert received == [extra + ["completion_ids", "prompts"]] * 2
+    # TRL's keywords (trainer_state, log_extra, log_metric) reach a function that takes **kwargs.
+    assert received == [extra + ["completion_ids", "log_extra", "log_metric", "prompts", "trainer_state"]] * 2
 
 
 # ---- auto_find_batch_size ------------------------------------------------------------------------
