@@ -2,6 +2,7 @@
 metrics of a logging interval and their reduction over processes, and the completion table
 (printed, and sent to wandb when it is a reporter)."""
 
+import math
 from collections import defaultdict
 
 import torch
@@ -45,8 +46,19 @@ def round_metrics(
 
 # Logged as counts per logging interval (the same on every process), not as means of their records.
 COUNTED_METRICS = frozenset({"nonfinite_steps_skipped"})
-# Logged as the largest record of the interval over every process.
-MAXED_METRICS = frozenset({"sampler/ratio_max"})
+# Logged as the largest / smallest record of the interval over every process.
+MAXED_METRICS = frozenset(
+    {
+        "sampler/ratio_max",
+        "clip_ratio/high_max",
+        "sampling/sampling_logp_difference/max",
+        "sampling/importance_sampling_ratio/max",
+    }
+)
+MINNED_METRICS = frozenset({"clip_ratio/low_min", "sampling/importance_sampling_ratio/min"})
+# Loss metrics recorded once per micro-step (`record`), not as token means: the loss before the
+# entropy bonus (a mean of micro-step values, as `loss` is) and the extremes.
+MICRO_STEP_METRICS = frozenset({"policy_loss"}) | MAXED_METRICS | MINNED_METRICS
 
 
 class IntervalMetrics:
@@ -54,7 +66,7 @@ class IntervalMetrics:
 
     `reduce` turns one mode's records into logged values and clears them: each metric is the mean
     of its records over the interval and the processes, except the counts in COUNTED_METRICS
-    (summed over the interval), the maxima in MAXED_METRICS, and token means (`record_token_means`:
+    (summed over the interval), the extremes in MAXED_METRICS / MINNED_METRICS, and token means (`record_token_means`:
     kl, entropy, clip_ratio/*, sampler/ratio_mean), means over every token of the interval on every
     process rather than means of per-micro-batch means.
     """
@@ -81,11 +93,14 @@ class IntervalMetrics:
         """The mode's logged values (the same on every process); every process must call it."""
         out: dict[str, float] = {}
         records = self.values[mode]
-        maxed = sorted(records.keys() & MAXED_METRICS)
-        if maxed:
-            local = torch.tensor([max(records.pop(k)) for k in maxed], device=accelerator.device)
-            largest = accelerator.gather(local).view(-1, len(maxed)).max(dim=0).values.tolist()
-            out.update(zip(maxed, largest, strict=True))
+        for names, extreme in ((MAXED_METRICS, max), (MINNED_METRICS, min)):
+            keys = sorted(records.keys() & names)
+            if keys:
+                local = torch.tensor([extreme(records.pop(k)) for k in keys], device=accelerator.device)
+                gathered = accelerator.gather(local).view(-1, len(keys))  # (P, K)
+                values = gathered.max(dim=0).values if extreme is max else gathered.min(dim=0).values
+                # An extreme over no token at all (every record +-inf) is left out.
+                out.update((k, v) for k, v in zip(keys, values.tolist(), strict=True) if math.isfinite(v))
         if records:
             keys = sorted(records)
             local = torch.tensor(
