@@ -293,6 +293,13 @@ class GRPOConfig(TrainingArguments):
         default=True,
         metadata={"help": "Zero every dropout in the policy, so old, current and reference log-probs agree."},
     )
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the LM head of the policy, the reference and the generation copy in float32 "
+            "(ScaleRL, arXiv 2510.13786); only for models whose LM head is not tied to the input embeddings."
+        },
+    )
 
     # ---- Speed -------------------------------------------------------------------------------
     precision: str | None = field(

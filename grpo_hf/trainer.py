@@ -57,7 +57,7 @@ from grpo_hf.entropy_control import EntropyCoefficient
 from grpo_hf.loss import LOSS_SETTINGS, adaptive_beta, grpo_loss
 from grpo_hf.masks import gather_ragged, policy_weights
 from grpo_hf.metrics import MICRO_STEP_METRICS, IntervalMetrics, log_completion_table, round_metrics
-from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
+from grpo_hf.models import cast_lm_head_to_fp32, disable_dropout, load_model, load_tokenizer, wrap_with_peft
 from grpo_hf.multi_turn import episode_metrics, tool_episodes
 from grpo_hf.reference import build_reference, is_peft_model, mix_into_reference, reference_context
 from grpo_hf.sampler_correction import sampler_correction, sampler_metrics
@@ -127,6 +127,8 @@ class GRPOTrainer(Trainer):
             raise ValueError(
                 "sync_ref_model needs a copied reference; with peft_config the base model is it."
             )
+        if args.cast_lm_head_to_fp32:
+            cast_lm_head_to_fp32(model)
         super().__init__(
             model=model,
             args=args,
@@ -177,6 +179,8 @@ class GRPOTrainer(Trainer):
             ref_model = self.model.name_or_path
         if isinstance(ref_model, str):
             ref_model = load_model(ref_model)
+        if ref_model is not None and self.args.cast_lm_head_to_fp32:
+            cast_lm_head_to_fp32(ref_model)
         reference = build_reference(self.model, self.args.beta, ref_model)
         return None if reference is None else prepare_reference(self.accelerator, reference, self.model)
 
