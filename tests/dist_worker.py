@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from accelerate import PartialState
@@ -61,6 +61,7 @@ class Scenario:
     nonfinite_steps: tuple[int, ...] = ()  # optimizer steps (1-based) whose loss is multiplied by inf
     lr_scheduler_type: str = "linear"
     max_completion_length: int = 8
+    loss_settings: dict = field(default_factory=dict)  # more GRPOConfig loss settings
 
 
 SCENARIOS = {
@@ -92,6 +93,21 @@ SCENARIOS = {
     # Two-turn tool episodes (a call of `add`, its result, an answer): the tool results' tokens are
     # in the context but out of the loss, on every process.
     "tools": Scenario(num_generations=8, completions="tools", max_completion_length=256),
+    # The entropy quantile over both processes' tokens, the adaptive entropy coefficient from both
+    # processes' entropy and its bonus over both processes' tokens, the off-policy mask on the
+    # second pass.
+    "masks": Scenario(
+        num_generations=8,
+        num_iterations=2,
+        max_steps=4,
+        loss_settings=dict(
+            top_entropy_quantile=0.5,
+            off_policy_mask_threshold=0.0,
+            use_adaptive_entropy=True,
+            entropy_target=100.0,
+            entropy_coef_delta=0.01,
+        ),
+    ),
 }
 
 
@@ -230,6 +246,7 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
         max_dynamic_sampling_rounds=3,
         lr_scheduler_type=scenario.lr_scheduler_type,
         max_completion_length=scenario.max_completion_length,
+        **scenario.loss_settings,
     )
     force_fsdp_on_cpu()
     peft_config = (
