@@ -1,7 +1,8 @@
 """Checkpoints that a crash cannot corrupt, and a clean stop on SIGTERM / Ctrl-C.
 
 The Trainer writes a checkpoint folder file by file. GRPO's own state (adaptive beta, KL of the
-round so far, position in dynamic sampling's extra prompt stream) is written last, atomically,
+round so far, position in dynamic sampling's extra prompt stream, the adaptive entropy
+coefficient and the entropy it last saw) is written last, atomically,
 and doubles as the "complete" marker: resuming with `resume_from_checkpoint=True` takes the newest
 folder that has it, so a crash while saving leaves the previous checkpoint in charge. Old checkpoints are rotated only after the new one is complete.
 A checkpoint saved inside a generation round (num_iterations > 1, or several optimizer steps per

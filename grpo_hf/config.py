@@ -6,6 +6,7 @@ produces `generation_batch_size` completions across all processes and feeds
 `steps_per_generation` micro-steps, `num_iterations` times over (the seeds' "ppo_epochs").
 """
 
+import logging
 import warnings
 from dataclasses import dataclass, field
 
@@ -15,8 +16,12 @@ from transformers import TrainingArguments
 from grpo_hf.advantages import AGGREGATIONS
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.decoding import DECODERS
+from grpo_hf.policy_terms import CLIPPED_LOSS_TYPES, POLICY_TERMS, loss_type_warnings
+from grpo_hf.sampler_correction import IS_MODES, check_sampler_settings
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+logger = logging.getLogger(__name__)
+
+LOSS_TYPES = tuple(POLICY_TERMS)
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -217,27 +222,118 @@ class GRPOConfig(TrainingArguments):
     loss_type: str = field(
         default="dapo",
         metadata={
-            "help": "Aggregation: 'grpo' (per-sequence mean), 'bnpo' (micro-batch token mean), "
-            "'dr_grpo' (sum / (B * max_completion_length)), 'dapo' (token mean over all the tokens, on every "
-            "process, that feed one optimizer step)."
+            "help": "The loss (grpo_hf/policy_terms.py). Clipped surrogate, aggregated as: 'grpo' (per-sequence "
+            "mean), 'bnpo' (micro-batch token mean), 'dr_grpo' (sum / (B * max_completion_length)), 'dapo' (token "
+            "mean over all the tokens, on every process, that feed one optimizer step), 'luspo' (per-sequence sum, "
+            "then mean; LUSPO, with importance_sampling_level='sequence'). Other policy terms: 'cispo' (clipped, "
+            "detached importance weight times log-prob, MiniMax-M1; dapo's mean), 'sapo' (soft sigmoid gate, "
+            "SAPO; grpo's mean), 'vespo' (Gamma-shaped sequence weight, VESPO; dapo's mean)."
         },
     )
+    sapo_temperature_neg: float = field(
+        default=1.05, metadata={"help": "SAPO gate temperature for tokens with advantage <= 0."}
+    )
+    sapo_temperature_pos: float = field(
+        default=1.0, metadata={"help": "SAPO gate temperature for tokens with advantage > 0."}
+    )
+    vespo_k_pos: float = field(
+        default=2.0,
+        metadata={
+            "help": "VESPO power k for advantages >= 0: how hard sequences with ratio < 1 are down-weighted."
+        },
+    )
+    vespo_lambda_pos: float = field(
+        default=3.0,
+        metadata={
+            "help": "VESPO decay lambda for advantages >= 0: how hard sequences with ratio > 1 are down-weighted."
+        },
+    )
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO power k for advantages < 0."})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO decay lambda for advantages < 0."})
     importance_sampling_level: str = field(
         default="token",
         metadata={"help": "'token' ratios (GRPO) or one ratio per sequence (GSPO, arXiv 2507.18071)."},
     )
-    sampler_is_cap: float | None = field(
+    off_policy_mask_threshold: float | None = field(
         default=None,
         metadata={
-            "help": "Truncated importance sampling (token level): weight each token's policy term by "
-            "min(pi_old / pi_sampler, cap), correcting for the sampler (bf16 copy, top_p ...) drawing from "
-            "another distribution than the policy's; e.g. 2.0. Off by default. The ratio is logged as "
-            "'sampler/ratio_mean' and 'sampler/ratio_max' either way."
+            "help": "Off-policy sequence masking (DeepSeek-V3.2's delta, e.g. 0.5): a sequence with a negative "
+            "advantage whose mean log(pi_sampler / pi) over its tokens exceeds this leaves the policy term. None: off."
+        },
+    )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "Keep the policy term (and the entropy bonus) only on the top fraction of loss tokens by "
+            "entropy, quantile over the micro-batch on every process (arXiv 2506.01939 recommends 0.2); 1.0 keeps "
+            "all, 0.0 only the highest."
         },
     )
     entropy_coef: float = field(
         default=0.0,
-        metadata={"help": "Entropy bonus coefficient (arXiv 2504.20571): loss -= coef * entropy."},
+        metadata={
+            "help": "Entropy bonus (arXiv 2504.20571): loss -= coef * the mean token entropy (over the optimizer "
+            "step's loss tokens on every process), for every loss_type alike. The starting value with "
+            "use_adaptive_entropy."
+        },
+    )
+    use_adaptive_entropy: bool = field(
+        default=False,
+        metadata={
+            "help": "Adaptive entropy coefficient (Skywork-OR1, arXiv 2505.22312): after each optimizer step "
+            "entropy_coef moves up by entropy_coef_delta if the step's entropy was <= entropy_target, else down; "
+            "the bonus applies only while the entropy is <= entropy_target."
+        },
+    )
+    entropy_coef_min: float = field(
+        default=0.0, metadata={"help": "Lower bound of the adaptive entropy_coef."}
+    )
+    entropy_coef_max: float = field(
+        default=1.0, metadata={"help": "Upper bound of the adaptive entropy_coef."}
+    )
+    entropy_coef_delta: float = field(
+        default=0.005, metadata={"help": "Step of the adaptive entropy_coef per optimizer step."}
+    )
+    entropy_target: float = field(
+        default=0.2,
+        metadata={
+            "help": "Target mean token entropy (nats) of the adaptive entropy_coef, over the tokens the bonus acts "
+            "on. 0.2 engages only near collapse; set it near the 'entropy' logged early in training."
+        },
+    )
+
+    # ---- Importance sampling against the sampler (grpo_hf/sampler_correction.py) ----------------
+    sampler_is_cap: float | None = field(
+        default=None,
+        metadata={
+            "help": "Our decoder: truncated importance sampling (token level), weighting each token's policy term "
+            "by min(pi_old / pi_sampler, cap), correcting for the sampler (bf16 copy, top_p ...) drawing from "
+            "another distribution than the policy's; e.g. 2.0. Off by default. With vLLM use "
+            "vllm_importance_sampling_*. The mismatch is logged either way ('sampler/*', 'sampling/*')."
+        },
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "When vLLM generates: weight the policy term by the importance ratio pi_old / pi_vllm, bounded "
+            "as vllm_importance_sampling_mode says."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={
+            "help": "'token_truncate' / 'sequence_truncate': the token's / sequence's ratio clipped to "
+            "[clip_min, clip_max]; 'token_mask' / 'sequence_mask': set to 0 outside it."
+        },
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "Upper bound C_max of the vLLM importance ratio; None: none."}
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound C_min of the vLLM importance ratio; None: none."}
+    )
+    vllm_importance_sampling_cap: float | None = field(
+        default=None, metadata={"help": "Deprecated (as in TRL): use vllm_importance_sampling_clip_max."}
     )
 
     # ---- KL to the reference -------------------------------------------------------------------
@@ -246,6 +342,14 @@ class GRPOConfig(TrainingArguments):
     )
     kl_estimator: str = field(
         default="k3", metadata={"help": "KL estimator: 'k1', 'k2' or 'k3' (Schulman's approximations)."}
+    )
+    use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={
+            "help": "Weight the KL term by the importance ratio pi / pi_old (differentiable), making its gradient "
+            "the unbiased gradient of KL(pi || pi_ref) (DeepSeek-V3.2, arXiv 2512.02556); changes the gradient even "
+            "at ratio 1."
+        },
     )
     target_kl: float | None = field(
         default=None,
@@ -269,6 +373,13 @@ class GRPOConfig(TrainingArguments):
     disable_dropout: bool = field(
         default=True,
         metadata={"help": "Zero every dropout in the policy, so old, current and reference log-probs agree."},
+    )
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the LM head of the policy, the reference and the generation copy in float32 "
+            "(ScaleRL, arXiv 2510.13786); only for models whose LM head is not tied to the input embeddings."
+        },
     )
 
     # ---- Speed -------------------------------------------------------------------------------
@@ -338,8 +449,16 @@ class GRPOConfig(TrainingArguments):
         if self.num_generations_eval is None:
             self.num_generations_eval = self.num_generations
         self._resolve_data_settings()
+        if self.vllm_importance_sampling_cap is not None:
+            warnings.warn(
+                "vllm_importance_sampling_cap is deprecated (as in TRL); use vllm_importance_sampling_clip_max.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         self._check_choices()
         self._check_ranges()
+        self.check_loss_combinations()
         self._resolve_generation_batch()
         if self.eval_strategy != "no" or self.do_eval:
             self.check_eval_batch()
@@ -415,6 +534,7 @@ class GRPOConfig(TrainingArguments):
             ("scale_rewards", SCALE_REWARDS),
             ("multi_objective_aggregation", AGGREGATIONS),
             ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
+            ("vllm_importance_sampling_mode", IS_MODES),
             ("reward_error_policy", REWARD_ERROR_POLICIES),
             ("generation_backend", DECODERS),
         ):
@@ -455,10 +575,42 @@ class GRPOConfig(TrainingArguments):
             (self.num_iterations >= 1, "num_iterations must be >= 1"),
             (self.epsilon > 0, "epsilon must be > 0"),
             (self.epsilon_high > 0, "epsilon_high must be > 0"),
-            (self.delta is None or self.delta > 1 + self.epsilon_high, "delta must be > 1 + epsilon_high"),
+            (
+                self.delta is None
+                or self.loss_type not in CLIPPED_LOSS_TYPES
+                or self.delta > 1 + self.epsilon_high,
+                "delta must be > 1 + epsilon_high",
+            ),
+            (self.sapo_temperature_neg > 0, "sapo_temperature_neg must be > 0"),
+            (self.sapo_temperature_pos > 0, "sapo_temperature_pos must be > 0"),
+            (min(self.vespo_k_pos, self.vespo_k_neg) >= 0, "vespo_k_pos and vespo_k_neg must be >= 0"),
+            (
+                min(self.vespo_lambda_pos, self.vespo_lambda_neg) > 0,
+                "vespo_lambda_pos and vespo_lambda_neg must be > 0",
+            ),
             (self.beta >= 0, "beta must be >= 0 (0 disables the KL term)"),
             (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
+            (
+                0 <= self.top_entropy_quantile <= 1,
+                "top_entropy_quantile must be in [0, 1] (1 keeps every token)",
+            ),
+            (self.entropy_coef_min >= 0, "entropy_coef_min must be >= 0"),
+            (self.entropy_coef_max >= self.entropy_coef_min, "entropy_coef_max must be >= entropy_coef_min"),
+            (self.entropy_coef_delta > 0, "entropy_coef_delta must be > 0"),
+            (self.entropy_target >= 0, "entropy_target must be >= 0 (nats)"),
+            (
+                self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
+                "off_policy_mask_threshold must be >= 0 (a divergence; None turns the mask off)",
+            ),
             (self.sampler_is_cap is None or self.sampler_is_cap > 0, "sampler_is_cap must be > 0"),
+            (
+                self.vllm_importance_sampling_clip_max is None or self.vllm_importance_sampling_clip_max > 0,
+                "vllm_importance_sampling_clip_max must be > 0 (or None: no upper bound)",
+            ),
+            (
+                self.vllm_importance_sampling_clip_min is None or self.vllm_importance_sampling_clip_min >= 0,
+                "vllm_importance_sampling_clip_min must be >= 0 (or None: no lower bound)",
+            ),
             (self.target_kl is None or self.target_kl > 0, "target_kl must be > 0"),
             (self.target_kl is None or self.beta > 0, "target_kl needs beta > 0 as the controller's start"),
             (self.kl_horizon >= 1, "kl_horizon must be >= 1"),
@@ -490,6 +642,14 @@ class GRPOConfig(TrainingArguments):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message + ".")
+
+    def check_loss_combinations(self) -> None:
+        """Errors for loss and importance-sampling settings that contradict each other, warnings for
+        those that do not fit (TRL's, and two of ours); tests that set generation_backend after
+        construction run it again."""
+        check_sampler_settings(self)
+        for warning in loss_type_warnings(self):
+            logger.warning(warning)
 
     def _resolve_generation_batch(self) -> None:
         """Derive steps_per_generation and generation_batch_size from each other; check divisibility."""

@@ -2,26 +2,41 @@
 
 Per completion token t of sequence i, with advantage A_i and ratio r = exp(logp - old_logp):
 
-    loss_t = -min(r * A, clip(r, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL_t - entropy_coef * H_t
+    loss_t = m_t * w_t * policy_t + beta * r_t^c * KL_t,    loss = aggregate(loss_t) - entropy_coef * H
 
-- clip-higher `epsilon_high` from DAPO (arXiv 2503.14476); `delta` caps the unclipped ratio from
-  above, so a negative advantage cannot push an arbitrarily large ratio (two-sided clipping, as in
-  INTELLECT-2, arXiv 2505.07291).
+- policy_t is the loss type's policy term (`policy_terms`): PPO's clipped surrogate
+  -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) for grpo / bnpo / dr_grpo / dapo / luspo, or
+  CISPO's, SAPO's, VESPO's. Clip-higher `epsilon_high` from DAPO (arXiv 2503.14476); `delta` caps
+  the unclipped ratio from above (two-sided clipping, INTELLECT-2, arXiv 2505.07291).
 - `importance_sampling_level="sequence"` uses one ratio per sequence,
   exp(mean_t(logp - old_logp)) (GSPO, arXiv 2507.18071); gradients still reach every token.
+- m_t: the off-policy sequence mask and the high-entropy token mask (`masks`); w_t: the
+  importance weights against the sampler (`sampler_correction`). They act on the policy term only.
 - KL_t estimates KL(pi || pi_ref) from samples of pi with x = ref_logp - logp (Schulman, "Approximating
   KL divergence", 2020, as in DeepSeekMath arXiv 2402.03300): k1 = -x, k2 = x^2 / 2,
-  k3 = exp(x) - x - 1 (unbiased and never negative; the default).
-- The entropy bonus (arXiv 2504.20571) is the token entropy of the policy, supplied by the caller.
+  k3 = exp(x) - x - 1 (unbiased and never negative; the default). With
+  `use_bias_correction_kl` (c = 1, the default) it is weighted by the ratio r, differentiable: the
+  samples come from pi_old, and r * KL_t is the importance-sampled estimate whose gradient is the
+  unbiased gradient of KL(pi || pi_ref) (DeepSeek-V3.2, arXiv 2512.02556). Even at r = 1 this
+  changes the gradient: for k3 it is logp - ref_logp (k1's value) instead of 1 - exp(x).
+- The entropy bonus (arXiv 2504.20571) is `entropy_coef` times the mean token entropy H over the
+  tokens it acts on (the loss tokens, or those the high-entropy mask keeps), the same for every
+  loss type: not scaled by the loss type's normaliser (as TRL). Its denominator is
+  `entropy_normalizer`: by default the micro-batch's own count (TRL's), while the trainer passes
+  the count over the whole optimizer step and every process (`masks.policy_weights`), so the
+  gradient does not depend on how the step is split into micro-batches and processes.
 
-Aggregation over tokens (`loss_type`):
-- `grpo`: mean over each sequence's tokens, then mean over sequences (DeepSeekMath).
+Aggregation over tokens (`POLICY_TERMS[loss_type].aggregation`):
+- `grpo`, `sapo`: mean over each sequence's tokens, then mean over sequences (DeepSeekMath).
 - `bnpo`: mean over the micro-batch's active tokens.
 - `dr_grpo`: sum / (B * max_completion_length), a constant normaliser (Dr. GRPO, arXiv 2503.20783).
-- `dapo`: sum / active tokens of everything that feeds the same optimizer step (DAPO's token-level
-  mean: every micro-batch of that step, on every process). The caller passes that count, scaled for
-  gradient accumulation and processes, as `dapo_normalizer` (`GRPOTrainer._dapo_normalizers`);
-  without it the micro-batch's own count is used, which is exact when one micro-batch is the step.
+- `luspo`: sum over each sequence's tokens, then mean over sequences: each sequence weighs by its
+  length (LUSPO, arXiv 2602.05261).
+- `dapo`, `cispo`, `vespo`: sum / active tokens of everything that feeds the same optimizer step
+  (DAPO's token-level mean: every micro-batch of that step, on every process). The caller passes
+  that count, scaled for gradient accumulation and processes, as `dapo_normalizer`
+  (`GRPOTrainer._dapo_normalizers`); without it the micro-batch's own count is used, which is
+  exact when one micro-batch is the step.
   With no active token at all the loss is 0 (so are its gradients), not NaN; likewise for the others.
 
 With one pass over each generation round (num_iterations = 1, one optimizer step per round),
@@ -32,7 +47,14 @@ policy gradient A * grad log pi. A logged loss near 0 is therefore expected, not
 
 import torch
 
-Metrics = dict[str, torch.Tensor]
+from grpo_hf.policy_terms import POLICY_TERMS, Metrics, PolicySettings, masked_mean
+
+# The `GRPOConfig` settings `grpo_loss` takes under the same names (the trainer passes them as set).
+LOSS_SETTINGS = (
+    "loss_type", "epsilon", "epsilon_high", "delta", "sapo_temperature_neg", "sapo_temperature_pos",
+    "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "kl_estimator",
+    "use_bias_correction_kl", "importance_sampling_level", "max_completion_length",
+)  # fmt: skip
 
 
 def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -48,11 +70,6 @@ def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "
     raise ValueError(f"kl_estimator={estimator!r} is not one of ('k1', 'k2', 'k3').")
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` where `mask` is 1; 0 for an empty mask."""
-    return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
 def importance_log_ratio(
     logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str = "token"
 ) -> torch.Tensor:
@@ -66,46 +83,39 @@ def importance_log_ratio(
     raise ValueError(f"importance_sampling_level={level!r} is not one of ('token', 'sequence').")
 
 
-def clipped_surrogate(
-    log_ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    epsilon: float,
-    epsilon_high: float,
-    delta: float | None = None,
-) -> torch.Tensor:
-    """Per-token min(r * A, clip(r) * A) with r = exp(log_ratio); advantages (B,) broadcast over T."""
-    ratio = torch.exp(log_ratio)  # (B, T)
-    if delta is not None:
-        ratio = ratio.clamp(max=delta)
-    adv = advantages.unsqueeze(1)  # (B, 1)
-    clipped = torch.clamp(torch.exp(log_ratio), 1 - epsilon, 1 + epsilon_high)  # (B, T)
-    return torch.min(ratio * adv, clipped * adv)  # (B, T)
-
-
 def aggregate(
     per_token: torch.Tensor,
     mask: torch.Tensor,
     loss_type: str,
     max_completion_length: int,
-    dapo_normalizer: float | None = None,
+    dapo_normalizer: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reduce a (B, T) per-token loss to a scalar according to `loss_type`."""
+    """Reduce a (B, T) per-token loss to a scalar as `loss_type` does (see the module docstring)."""
+    if loss_type not in POLICY_TERMS:
+        raise ValueError(f"loss_type={loss_type!r} is not one of {tuple(POLICY_TERMS)}.")
+    how = POLICY_TERMS[loss_type].aggregation
     masked = per_token * mask  # (B, T)
-    if loss_type == "grpo":
+    if how == "sequence_mean":
         return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-    if loss_type == "bnpo":
+    if how == "sequence_sum":
+        return masked.sum(dim=1).mean()
+    if how == "batch_token_mean":
         return masked.sum() / mask.sum().clamp(min=1)
-    if loss_type == "dr_grpo":
+    if how == "constant":
         return masked.sum() / (per_token.shape[0] * max_completion_length)
-    if loss_type == "dapo":
-        normalizer = torch.as_tensor(
-            mask.sum() if dapo_normalizer is None else dapo_normalizer,
-            dtype=masked.dtype,
-            device=masked.device,
-        )
-        # No active token at all (e.g. every completion truncated and masked): loss 0, not 0 / 0.
-        return masked.sum() / torch.where(normalizer > 0, normalizer, torch.ones_like(normalizer))
-    raise ValueError(f"loss_type={loss_type!r} is not one of ('grpo', 'bnpo', 'dr_grpo', 'dapo').")
+    return token_mean(per_token, mask, dapo_normalizer)
+
+
+def token_mean(
+    values: torch.Tensor, mask: torch.Tensor, normalizer: float | torch.Tensor | None = None
+) -> torch.Tensor:
+    """sum(values * mask) / normalizer, by default mask's own count; 0 when the count is 0."""
+    total = (values * mask).sum()
+    count = torch.as_tensor(
+        mask.sum() if normalizer is None else normalizer, dtype=total.dtype, device=total.device
+    )
+    # No active token at all (e.g. every completion truncated and masked): 0, not 0 / 0.
+    return total / torch.where(count > 0, count, torch.ones_like(count))
 
 
 def grpo_loss(
@@ -119,69 +129,71 @@ def grpo_loss(
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
     delta: float | None = None,
+    sapo_temperature_neg: float = 1.05,
+    sapo_temperature_pos: float = 1.0,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     beta: float = 0.0,
     kl_estimator: str = "k3",
+    use_bias_correction_kl: bool = True,
     importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
-    dapo_normalizer: float | None = None,
+    dapo_normalizer: float | torch.Tensor | None = None,
+    entropy_normalizer: float | torch.Tensor | None = None,
     sampler_weights: torch.Tensor | None = None,
+    off_policy_mask: torch.Tensor | None = None,
+    entropy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """The GRPO loss of one micro-batch and its metrics (detached scalars).
 
     logps, old_logps, ref_logps, entropy, completion_mask: (B, T) over completion tokens;
     advantages: (B,). `old_logps=None` means "same policy": logps detached. `ref_logps` may be
-    None only when beta = 0. `sampler_weights` (B, T), no gradient: per-token importance weights
-    for the policy term, the truncated ratio of old policy to sampler (`sampler_is_weights`).
+    None only when beta = 0. The settings are `GRPOConfig`'s of the same names. Without gradient:
+    `sampler_weights` (B, T), the importance weights pi_old / pi_sampler
+    (`sampler_correction.sampler_is_weights`); `off_policy_mask` (B, 1) (`masks.get_off_policy_mask`);
+    `entropy_mask` (B, T) (`masks.get_high_entropy_mask`), which also restricts the entropy bonus.
+    `dapo_normalizer` / `entropy_normalizer`: the token counts the dapo-style sum and the entropy
+    bonus divide by; by default this micro-batch's (see the module docstring).
+    Metrics are means over the active tokens, except `policy_loss` (the loss before the entropy
+    bonus) and the extremes `clip_ratio/low_min` and `clip_ratio/high_max`.
     """
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    if loss_type not in POLICY_TERMS:
+        raise ValueError(f"loss_type={loss_type!r} is not one of {tuple(POLICY_TERMS)}.")
+    term = POLICY_TERMS[loss_type]
+    settings = PolicySettings(
+        epsilon, epsilon if epsilon_high is None else epsilon_high, delta, sapo_temperature_neg,
+        sapo_temperature_pos, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
+    )  # fmt: skip
     max_completion_length = logps.shape[1] if max_completion_length is None else max_completion_length
     mask = completion_mask.to(logps.dtype)  # (B, T)
     old_logps = logps.detach() if old_logps is None else old_logps
     log_ratio = importance_log_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T)
-    per_token = -clipped_surrogate(log_ratio, advantages, epsilon, epsilon_high, delta)  # (B, T)
-    if sampler_weights is not None:
-        per_token = per_token * sampler_weights
-    metrics = _clip_metrics(log_ratio.detach(), advantages, mask, epsilon, epsilon_high)
+    per_token, metrics = term.per_token(
+        logps, old_logps, log_ratio, advantages.unsqueeze(1), mask, settings, sampler_weights
+    )  # (B, T)
+    for factor in (off_policy_mask, entropy_mask, None if term.takes_sampler_weights else sampler_weights):
+        if factor is not None:
+            per_token = per_token * factor
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps.")
         kl = kl_estimate(logps, ref_logps, kl_estimator)  # (B, T)
+        if use_bias_correction_kl:
+            kl = kl * torch.exp(log_ratio)  # samples from pi_old: importance-weighted, with gradient
         per_token = per_token + beta * kl
         metrics["kl"] = masked_mean(kl.detach(), mask)
-    if entropy is not None:
-        if entropy_coef != 0.0:
-            per_token = per_token - entropy_coef * entropy
-        metrics["entropy"] = masked_mean(entropy.detach(), mask)
     loss = aggregate(per_token, mask, loss_type, max_completion_length, dapo_normalizer)
+    metrics["policy_loss"] = loss.detach()
+    if entropy is not None:
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
+        if entropy_coef != 0.0:
+            bonus_tokens = mask if entropy_mask is None else mask * entropy_mask  # (B, T)
+            loss = loss - entropy_coef * token_mean(entropy, bonus_tokens, entropy_normalizer)
     return loss, metrics
-
-
-def _clip_metrics(
-    log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon: float, epsilon_high: float
-) -> Metrics:
-    """Fractions of active tokens where the clip binds: below (A < 0) and above (A > 0)."""
-    ratio = torch.exp(log_ratio)  # (B, T)
-    adv = advantages.unsqueeze(1)  # (B, 1)
-    low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)  # (B, T)
-    high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)  # (B, T)
-    return {
-        "clip_ratio/low": masked_mean(low, mask),
-        "clip_ratio/high": masked_mean(high, mask),
-        "clip_ratio/region": masked_mean(low + high, mask),
-    }
-
-
-def sampler_is_weights(old_logps: torch.Tensor, sampler_logps: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling, token level: min(pi_old / pi_sampler, cap), (B, T), no grad.
-
-    The completions were drawn by the sampler (a bf16 copy, through top_p / top_k / min_p), whose
-    distribution differs from the policy the loss assumes; weighting the policy-gradient term by
-    this capped ratio corrects for it (Yao et al., "Your efficient RL framework secretly brings
-    you off-policy RL training", 2025). The KL and entropy terms are not weighted.
-    """
-    return torch.exp(old_logps.detach() - sampler_logps).clamp(max=cap)
 
 
 def adaptive_beta(beta: float, kl: float, target_kl: float, num_samples: int, horizon: int) -> float:

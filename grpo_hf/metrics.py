@@ -4,11 +4,13 @@ metrics of a logging interval and their reduction over processes, and the time o
 Where TRL 1.16's GRPO trainer logs a metric we compute, it is logged under TRL's name too:
 `rewards/<name>/mean` (= our `reward/<name>`) and `rewards/<name>/std`, the terminated-length
 statistics, `num_tokens`, `step_time`, and the clip ratios `clip_ratio/low_mean`, `high_mean`,
-`region_mean` (= our `clip_ratio/low`, `high`, `region`; `ALIASES`). `reward` and `reward_std` are
-TRL's: the weighted reward's mean and std over the whole batch, unscorable completions (None from
-every function) left out; ours, the mean of the groups' stds, is `reward_std/group_mean`.
+`region_mean` (= our `clip_ratio/low`, `high`, `region`, recorded under both names by
+`policy_terms`). `reward` and `reward_std` are TRL's: the weighted reward's mean and std over the
+whole batch, unscorable completions (None from every function) left out; ours, the mean of the
+groups' stds, is `reward_std/group_mean`.
 """
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -139,16 +141,22 @@ class StepTimer(TrainerCallback):
 
 # Logged as counts per logging interval (the same on every process), not as means of their records.
 COUNTED_METRICS = frozenset({"nonfinite_steps_skipped"})
-# Logged as the largest record of the interval over every process.
-MAXED_METRICS = frozenset({"sampler/ratio_max"})
+# Logged as the largest / smallest record of the interval over every process.
+MAXED_METRICS = frozenset(
+    {
+        "sampler/ratio_max",
+        "clip_ratio/high_max",
+        "sampling/sampling_logp_difference/max",
+        "sampling/importance_sampling_ratio/max",
+    }
+)
+MINNED_METRICS = frozenset({"clip_ratio/low_min", "sampling/importance_sampling_ratio/min"})
+# Loss metrics recorded once per micro-step (`record`), not as token means: the loss before the
+# entropy bonus and MoE's router loss (means of micro-step values, as `loss` is, and as TRL logs
+# `aux_loss`) and the extremes.
+MICRO_STEP_METRICS = frozenset({"policy_loss", "aux_loss"}) | MAXED_METRICS | MINNED_METRICS
 # Logged as the interval's last record (a running total, the same on every process).
 LATEST_METRICS = frozenset({"num_tokens"})
-# Our name -> TRL 1.16's name for the same value, logged under both.
-ALIASES = {
-    "clip_ratio/low": "clip_ratio/low_mean",
-    "clip_ratio/high": "clip_ratio/high_mean",
-    "clip_ratio/region": "clip_ratio/region_mean",
-}
 
 
 class IntervalMetrics:
@@ -157,10 +165,9 @@ class IntervalMetrics:
     `reduce` turns one mode's records into logged values and clears them: each metric is the mean
     of its records over the interval and the processes, NaN records left out (a metric with none
     left is not logged; TRL logs None), except the counts in COUNTED_METRICS (summed over the
-    interval), the maxima in MAXED_METRICS, the running totals in LATEST_METRICS, and token means
-    (`record_token_means`: kl, entropy, clip_ratio/*, sampler/ratio_mean), means over every token of
-    the interval on every process rather than means of per-micro-batch means. Metrics in ALIASES
-    are logged under TRL's name too.
+    interval), the extremes in MAXED_METRICS / MINNED_METRICS, the running totals in LATEST_METRICS,
+    and token means (`record_token_means`: kl, entropy, clip_ratio/*, sampler/ratio_mean), means over
+    every token of the interval on every process rather than means of per-micro-batch means.
     """
 
     def __init__(self):
@@ -185,11 +192,14 @@ class IntervalMetrics:
         """The mode's logged values (the same on every process); every process must call it."""
         records = self.values[mode]
         out = {key: records.pop(key)[-1] for key in sorted(records.keys() & LATEST_METRICS)}
-        maxed = sorted(records.keys() & MAXED_METRICS)
-        if maxed:
-            local = torch.tensor([max(records.pop(k)) for k in maxed], device=accelerator.device)
-            largest = accelerator.gather(local).view(-1, len(maxed)).max(dim=0).values.tolist()
-            out.update(zip(maxed, largest, strict=True))
+        for names, extreme in ((MAXED_METRICS, max), (MINNED_METRICS, min)):
+            keys = sorted(records.keys() & names)
+            if keys:
+                local = torch.tensor([extreme(records.pop(k)) for k in keys], device=accelerator.device)
+                gathered = accelerator.gather(local).view(-1, len(keys))  # (P, K)
+                values = gathered.max(dim=0).values if extreme is max else gathered.min(dim=0).values
+                # An extreme over no token at all (every record +-inf) is left out.
+                out.update((k, v) for k, v in zip(keys, values.tolist(), strict=True) if math.isfinite(v))
         if records:
             keys = sorted(records)
             local = torch.tensor([_sum_and_count(records[k], k in COUNTED_METRICS) for k in keys])  # (K, 2)
@@ -203,7 +213,6 @@ class IntervalMetrics:
             totals = accelerator.reduce(local, "sum").tolist()  # (K, 2): token sum, tokens
             out.update({k: s / n if n > 0 else 0.0 for k, (s, n) in zip(keys, totals, strict=True)})
             sums.clear()
-        out.update({alias: out[name] for name, alias in ALIASES.items() if name in out})
         return out
 
 

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 from gguf import GGUFReader
-from peft import PeftConfig, get_peft_model
+from peft import PeftConfig, PeftModel, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -36,6 +37,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from grpo_hf.engine.logprobs import Float32Head
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +281,35 @@ def disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+
+
+def cast_lm_head_to_fp32(model: nn.Module) -> None:
+    """Turn the model's LM head into a `Float32Head` in place (`cast_lm_head_to_fp32`).
+
+    Only an untied head: cast, tied embeddings would turn float32 too, and re-tying (on saving or
+    resizing) would undo the cast. A PEFT adapter on the head would compute outside it.
+    """
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    head = base.get_output_embeddings()
+    name = type(base).__name__
+    if isinstance(head, BaseTunerLayer):
+        raise ValueError(
+            "cast_lm_head_to_fp32=True does not support a PEFT adapter on the LM head: remove lm_head from "
+            "peft_config.target_modules, or set cast_lm_head_to_fp32=False."
+        )
+    tied = getattr(base.config.get_text_config(), "tie_word_embeddings", False)
+    if tied or head.weight is base.get_input_embeddings().weight:
+        raise ValueError(
+            f"cast_lm_head_to_fp32=True needs an LM head of its own, but {name} ties its LM head to its input "
+            "embeddings (tie_word_embeddings=True); set cast_lm_head_to_fp32=False."
+        )
+    if type(head) is not nn.Linear:
+        raise ValueError(
+            f"cast_lm_head_to_fp32=True needs an nn.Linear LM head; {name}'s is a {type(head).__name__}. "
+            "Set cast_lm_head_to_fp32=False."
+        )
+    head.to(torch.float32)
+    head.__class__ = Float32Head  # same parameters and state-dict keys, float32 forward
 
 
 def wrap_with_peft(

@@ -17,6 +17,7 @@ How one generation round flows through the Trainer's loop:
 The maths lives in `advantages`, `loss` and `logprobs`; this file only orchestrates.
 """
 
+import functools
 import json
 import logging
 import os
@@ -63,6 +64,7 @@ from grpo_hf.dynamic_sampling import ScoredRound, gather_round, sample_teaching_
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.logprobs import completion_logps
+from grpo_hf.entropy_control import EntropyCoefficient
 from grpo_hf.environments import (
     EMPTY_PROMPT,
     EnvironmentFactory,
@@ -70,9 +72,11 @@ from grpo_hf.environments import (
     check_reward_source,
     train_dataset_or_placeholder,
 )
-from grpo_hf.loss import adaptive_beta, grpo_loss, sampler_is_weights
-from grpo_hf.metrics import IntervalMetrics, StepTimer, round_metrics
+from grpo_hf.loss import LOSS_SETTINGS, adaptive_beta, grpo_loss
+from grpo_hf.masks import gather_ragged, policy_weights
+from grpo_hf.metrics import MICRO_STEP_METRICS, IntervalMetrics, StepTimer, round_metrics
 from grpo_hf.models import (
+    cast_lm_head_to_fp32,
     disable_dropout,
     load_model,
     load_policy,
@@ -85,6 +89,7 @@ from grpo_hf.moe import RouterAuxLoss
 from grpo_hf.multi_turn import episode_counts, tool_episodes, tool_metrics
 from grpo_hf.reference import build_reference, is_peft_model, mix_into_reference, reference_context
 from grpo_hf.reward_outputs import RewardLogs
+from grpo_hf.sampler_correction import sampler_correction, sampler_metrics
 from grpo_hf.scoring import (
     RewardFunc,
     RewardModel,
@@ -180,6 +185,8 @@ class GRPOTrainer(Trainer):
             raise ValueError(
                 "sync_ref_model needs a copied reference; with peft_config the base model is it."
             )
+        if args.cast_lm_head_to_fp32:
+            cast_lm_head_to_fp32(model)
         self.router_aux = RouterAuxLoss(model, args.router_aux_loss_coef)
         super().__init__(
             model=model,
@@ -201,6 +208,12 @@ class GRPOTrainer(Trainer):
             weights + [1.0] * (len(self.reward_funcs) - len(weights)), dtype=torch.float32
         )
         self.beta = args.beta
+        self.loss_settings = {name: getattr(args, name) for name in LOSS_SETTINGS}
+        self.sampler_correction = sampler_correction(args)
+        self.entropy_control = EntropyCoefficient(
+            args, lambda t: self.accelerator.reduce(t, "sum"), self.record
+        )
+        self.add_callback(self.entropy_control)
         self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
         self._micro_step = 0
         self._buffer: list[dict] = []
@@ -232,6 +245,8 @@ class GRPOTrainer(Trainer):
         if isinstance(ref_model, str):
             policy = self.accelerator.unwrap_model(self.model)
             ref_model = load_model(ref_model, **reference_init_kwargs(self.args, init_kwargs, policy))
+        if ref_model is not None and self.args.cast_lm_head_to_fp32:
+            cast_lm_head_to_fp32(ref_model)
         reference = build_reference(self.model, self.args.beta, ref_model)
         return None if reference is None else prepare_reference(self.accelerator, reference, self.model)
 
@@ -509,7 +524,7 @@ class GRPOTrainer(Trainer):
             self.args.temperature,
             with_entropy=with_entropy,
             gradient_checkpointing=self.args.gradient_checkpointing,
-            entropy_grad=self.args.entropy_coef != 0,  # otherwise a metric: no gradient needed
+            entropy_grad=self.entropy_control.applied() != 0,  # otherwise a metric: no gradient needed
         )
 
     def needs_old_logps(self) -> bool:
@@ -556,57 +571,49 @@ class GRPOTrainer(Trainer):
     # ---- Loss ---------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        args = self.args
         with self.router_aux.recording() as routed:  # MoE router logits, when their loss is on
             logps, entropy = self.completion_logps(model, inputs, with_entropy=True)  # (B, C), (B, C)
         old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C) pi_old
+        gather = functools.partial(gather_ragged, self.accelerator)
+        weights = policy_weights(self.args, self.sampler_correction, logps, entropy, old, inputs, gather)
         loss, metrics = grpo_loss(
             logps,
             inputs.get("old_logps"),
             inputs.get("ref_logps"),
             inputs["advantages"],
             inputs["completion_mask"],
-            loss_type=args.loss_type,
-            epsilon=args.epsilon,
-            epsilon_high=args.epsilon_high,
-            delta=args.delta,
             beta=self.beta,
-            kl_estimator=args.kl_estimator,
-            importance_sampling_level=args.importance_sampling_level,
-            max_completion_length=args.max_completion_length,
             entropy=entropy,
-            entropy_coef=args.entropy_coef,
+            entropy_coef=self.entropy_control.applied(),
             dapo_normalizer=inputs["dapo_normalizer"],
-            sampler_weights=self._sampler_weights(old, inputs),
+            **weights,
+            **self.loss_settings,
         )
         loss = self.router_aux.added_to(loss, routed, inputs, metrics)
-        self._record_loss_metrics(metrics, old, inputs)
+        if self.model.training:
+            self.entropy_control.observe(entropy, inputs["completion_mask"], weights["entropy_mask"])
+        self._record_loss_metrics(metrics, old, inputs, weights["sampler_weights"])
         return (loss, None) if return_outputs else loss
 
-    def _sampler_weights(self, old: torch.Tensor, inputs: dict) -> torch.Tensor | None:
-        """The truncated importance-sampling weights pi_old / pi_sampler, if configured."""
-        if "sampler_logps" not in inputs or self.args.sampler_is_cap is None:
-            return None
-        return sampler_is_weights(old, inputs["sampler_logps"], self.args.sampler_is_cap)
-
-    def _record_loss_metrics(self, metrics: dict[str, torch.Tensor], old: torch.Tensor, inputs: dict) -> None:
-        """Record a micro-step's loss metrics and, for completions drawn by our decode loop, how far the
-        sampler's token probabilities are from the policy's (ratio pi_old / pi_sampler, mean and max
-        over tokens). They reach the host in one transfer, not one `.item()` (a device sync) each."""
+    def _record_loss_metrics(
+        self,
+        metrics: dict[str, torch.Tensor],
+        old: torch.Tensor,
+        inputs: dict,
+        sampler_weights: torch.Tensor | None,
+    ) -> None:
+        """Record a micro-step's loss metrics and, for completions whose sampler log-probs were recorded,
+        how far the sampler is from pi_old (`sampler_correction.sampler_metrics`): token means over the
+        loss tokens, and the values recorded once per micro-step (`metrics.MICRO_STEP_METRICS`: the loss
+        before the entropy bonus, extremes). They reach the host in one transfer, not one `.item()` (a
+        device sync) each."""
         mask = inputs["completion_mask"]  # (B, C)
-        scalars = {"tokens": mask.sum(), **metrics}
         if "sampler_logps" in inputs:
-            ratio = torch.exp(old - inputs["sampler_logps"]) * mask.to(old.dtype)  # (B, C)
-            scalars |= {"sampler/ratio_sum": ratio.sum(), "sampler/ratio_max": ratio.max()}
+            metrics = metrics | sampler_metrics(old, inputs["sampler_logps"], mask, sampler_weights)
+        scalars = {"tokens": mask.sum(), **metrics}
         values = dict(zip(scalars, torch.stack([v.float() for v in scalars.values()]).tolist(), strict=True))
         tokens = values.pop("tokens")
-        if "aux_loss" in values:  # a mean over micro-batches, as TRL logs it, not over tokens
-            self.record({"aux_loss": values.pop("aux_loss")})
-        if "sampler/ratio_sum" in values:
-            self.record_token_means(
-                {"sampler/ratio_mean": values.pop("sampler/ratio_sum") / max(tokens, 1)}, tokens
-            )
-            self.record({"sampler/ratio_max": values.pop("sampler/ratio_max")})
+        self.record({k: values.pop(k) for k in list(values) if k in MICRO_STEP_METRICS})
         if "kl" in values and self.model.training:
             self._round_kl.append(values["kl"])
         self.record_token_means(values, tokens)
@@ -692,9 +699,8 @@ class GRPOTrainer(Trainer):
             write_round(folder, self.accelerator.process_index, self._buffer)
         self.accelerator.wait_for_everyone()  # every process's files are in before the marker
         if self.args.should_save:
-            write_state(
-                folder, {"beta": self.beta, "round_kl": self._round_kl, "extra_prompts": self._extra_prompts}
-            )
+            state = {"beta": self.beta, "round_kl": self._round_kl, "extra_prompts": self._extra_prompts}
+            write_state(folder, state | {"entropy": self.entropy_control.state_dict()})
             rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
@@ -712,6 +718,7 @@ class GRPOTrainer(Trainer):
             state = read_state(resume_from_checkpoint)
             self.beta, self._round_kl = state["beta"], state["round_kl"]
             self._extra_prompts = state.get("extra_prompts", 0)  # absent in checkpoints older than it
+            self.entropy_control.load_state_dict(state.get("entropy", self.entropy_control.state_dict()))
             with open(os.path.join(resume_from_checkpoint, "trainer_state.json")) as f:
                 step = json.load(f)["global_step"]
             self._micro_step = step * self.args.gradient_accumulation_steps

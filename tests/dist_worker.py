@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from accelerate import PartialState
@@ -63,6 +63,7 @@ class Scenario:
     max_completion_length: int = 8
     stream: bool = False  # the train dataset as a datasets.IterableDataset (shuffled through its buffer)
     ds3_gather_for_generation: bool = True
+    loss_settings: dict = field(default_factory=dict)  # more GRPOConfig loss settings
 
 
 SCENARIOS = {
@@ -103,6 +104,21 @@ SCENARIOS = {
     # batch, so G = 8 straddles the processes as with the sampler. 3 steps of 2 prompts over 4
     # prompts: the third round starts the stream's second (reshuffled) pass.
     "stream": Scenario(num_generations=8, global_batch=16, stream=True),
+    # The entropy quantile over both processes' tokens, the adaptive entropy coefficient from both
+    # processes' entropy and its bonus over both processes' tokens, the off-policy mask on the
+    # second pass.
+    "masks": Scenario(
+        num_generations=8,
+        num_iterations=2,
+        max_steps=4,
+        loss_settings=dict(
+            top_entropy_quantile=0.5,
+            off_policy_mask_threshold=0.0,
+            use_adaptive_entropy=True,
+            entropy_target=100.0,
+            entropy_coef_delta=0.01,
+        ),
+    ),
 }
 
 
@@ -271,6 +287,7 @@ def run(name: str, scenario: Scenario, output: str, world_size: int) -> None:
         lr_scheduler_type=scenario.lr_scheduler_type,
         max_completion_length=scenario.max_completion_length,
         ds3_gather_for_generation=scenario.ds3_gather_for_generation,
+        **scenario.loss_settings,
     )
     force_fsdp_on_cpu()
     peft_config = (

@@ -5,15 +5,9 @@ import math
 import pytest
 import torch
 
-from grpo_hf.loss import (
-    adaptive_beta,
-    aggregate,
-    clipped_surrogate,
-    grpo_loss,
-    importance_log_ratio,
-    kl_estimate,
-    sampler_is_weights,
-)
+from grpo_hf.config import LOSS_TYPES
+from grpo_hf.loss import adaptive_beta, aggregate, grpo_loss, importance_log_ratio, kl_estimate
+from grpo_hf.policy_terms import clipped_surrogate
 
 LOG2 = math.log(2.0)
 # One hand-made micro-batch: 2 sequences x 3 completion positions, the first one padded at t = 2.
@@ -147,6 +141,12 @@ def test_clip_metrics_on_a_hand_made_batch():
     assert metrics["clip_ratio/low"].item() == pytest.approx(2 / 5)
     assert metrics["clip_ratio/region"].item() == pytest.approx(3 / 5)
     assert "kl" not in metrics and "entropy" not in metrics  # beta = 0, no entropy given
+    # TRL's names: the same token means, and the extremes over sequences with a token in the loss:
+    # row 0 is 1/2 high-clipped, 0 low; row 1 is 2/3 low-clipped, 0 high.
+    for name in ("low", "high", "region"):
+        assert metrics[f"clip_ratio/{name}_mean"] == metrics[f"clip_ratio/{name}"]
+    assert metrics["clip_ratio/low_min"].item() == 0.0  # min(0, 2/3)
+    assert metrics["clip_ratio/high_max"].item() == pytest.approx(0.5)  # max(1/2, 0)
 
 
 def test_clipped_surrogate_broadcasts_advantages_over_tokens():
@@ -173,6 +173,7 @@ ADVANTAGES = torch.tensor([1.0, -2.0])  # (2,)
         ("dr_grpo", {"max_completion_length": 5}, 0.4),  # 4 / (2 * 5)
         ("dapo", {}, 0.8),  # 4 / 5: the micro-batch's own token count
         ("dapo", {"dapo_normalizer": 16.0}, 0.25),  # 4 / 16 tokens in the whole generation batch
+        ("luspo", {}, 2.0),  # row sums (-2, 6), their mean 2
     ],
 )
 def test_loss_type_normalisation(loss_type, kwargs, expected):
@@ -187,14 +188,19 @@ def test_aggregate_with_per_token_values_that_vary_within_a_row():
     assert aggregate(per_token, MASK, "dr_grpo", 3).item() == pytest.approx(2.5)  # 15 / 6
     assert aggregate(per_token, MASK, "dapo", 3).item() == pytest.approx(3.0)  # 15 / 5
     assert aggregate(per_token, MASK, "dapo", 3, dapo_normalizer=10.0).item() == pytest.approx(1.5)
+    assert aggregate(per_token, MASK, "luspo", 3).item() == pytest.approx(7.5)  # (3 + 12) / 2
+    # The other loss types take one of these: sapo grpo's, cispo and vespo dapo's.
+    assert aggregate(per_token, MASK, "sapo", 3).item() == pytest.approx(2.75)
+    assert aggregate(per_token, MASK, "cispo", 3, dapo_normalizer=10.0).item() == pytest.approx(1.5)
+    assert aggregate(per_token, MASK, "vespo", 3).item() == pytest.approx(3.0)
 
 
-def test_aggregate_of_an_empty_mask_is_zero_not_nan():
-    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
-        assert aggregate(torch.ones(2, 3), torch.zeros(2, 3), loss_type, 3).item() == 0.0
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_aggregate_of_an_empty_mask_is_zero_not_nan(loss_type):
+    assert aggregate(torch.ones(2, 3), torch.zeros(2, 3), loss_type, 3).item() == 0.0
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_a_batch_with_no_active_token_anywhere_has_loss_0_and_zero_gradients(loss_type):
     """The trainer's DAPO count is 0 too when every completion of the step is masked."""
     logps = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
@@ -245,16 +251,55 @@ def test_sequence_level_loss_and_gradient_by_hand():
 # ---- Entropy bonus and KL term -----------------------------------------------------------------
 
 
-def test_entropy_bonus_lowers_the_loss_by_coef_times_mean_entropy():
-    entropy = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, 5.0]])  # (2, 3); masked mean 15 / 5 = 3
-    base, base_metrics = grpo_loss(LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=entropy)
-    bonus, metrics = grpo_loss(
-        LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=entropy, entropy_coef=0.1, loss_type="dapo"
+ENTROPY = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, 5.0]])  # (2, 3); masked token mean 15 / 5 = 3
+
+
+@pytest.mark.parametrize(("loss_type", "policy"), [("dapo", 0.8), ("grpo", 0.5), ("dr_grpo", 4 / 6)])
+def test_entropy_bonus_is_coef_times_the_token_mean_entropy_for_every_loss_type(loss_type, policy):
+    """As TRL: the bonus is not aggregated like the policy term (grpo's row means of the entropy
+    would be (1.5 + 4) / 2 = 2.75, dr_grpo's 15 / 6 = 2.5); it is 0.1 x 3 for each loss type."""
+    base, base_metrics = grpo_loss(
+        LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=ENTROPY, loss_type=loss_type
     )
-    assert base.item() == pytest.approx(0.8)  # entropy_coef 0: the metric only
-    assert bonus.item() == pytest.approx(0.8 - 0.1 * 3.0)  # 0.5
+    bonus, metrics = grpo_loss(
+        LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=ENTROPY, entropy_coef=0.1, loss_type=loss_type
+    )
+    assert base.item() == pytest.approx(policy)  # entropy_coef 0: the metric only
+    assert bonus.item() == pytest.approx(policy - 0.1 * 3.0)
     assert base_metrics["entropy"].item() == pytest.approx(3.0)
     assert metrics["entropy"].item() == pytest.approx(3.0)
+    assert metrics["policy_loss"].item() == pytest.approx(policy)  # the loss before the bonus
+
+
+def test_entropy_normalizer_sets_the_bonus_denominator():
+    """The trainer passes the optimizer step's token count (here 10, e.g. two micro-batches): the
+    bonus is 0.1 x 15 / 10 rather than 0.1 x this micro-batch's own mean 15 / 5."""
+    loss, _ = grpo_loss(
+        LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=ENTROPY, entropy_coef=0.1, entropy_normalizer=10.0
+    )
+    assert loss.item() == pytest.approx(0.8 - 0.1 * 15 / 10)
+
+
+def test_entropy_mask_restricts_the_policy_term_and_the_bonus():
+    """Keeping (0, 1), (1, 1) and (1, 2): the policy term sums -1 + 2 + 2 = 3 over dapo's 5 tokens, and
+    the bonus is 0.1 x the kept tokens' mean entropy (2 + 4 + 5) / 3."""
+    kept = torch.tensor([[False, True, False], [False, True, True]])  # (2, 3)
+    loss, metrics = grpo_loss(
+        LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=ENTROPY, entropy_coef=0.1, entropy_mask=kept
+    )
+    assert metrics["policy_loss"].item() == pytest.approx(3 / 5)
+    assert loss.item() == pytest.approx(3 / 5 - 0.1 * 11 / 3)
+    assert metrics["entropy"].item() == pytest.approx(3.0)  # the metric stays over every loss token
+
+
+def test_off_policy_mask_drops_whole_sequences_from_the_policy_term_only():
+    """Row 1 dropped: the policy term keeps row 0's (-1, -1) over 5 tokens; the k1 KL (1 per token,
+    ratio 1) stays on all 5 tokens: -2 / 5 + 0.1 x 5 / 5."""
+    keep = torch.tensor([[1.0], [0.0]])  # (2, 1)
+    loss, _ = grpo_loss(
+        LOGPS, OLD_LOGPS, LOGPS - 1.0, ADVANTAGES, MASK, beta=0.1, kl_estimator="k1", off_policy_mask=keep
+    )
+    assert loss.item() == pytest.approx(-2 / 5 + 0.1)
 
 
 def test_beta_without_ref_logps_raises():
@@ -270,15 +315,43 @@ def test_beta_without_ref_logps_raises():
         ("grpo", (LOG2 - 0.5) / 2),  # mean of row means (log2 - 0.5, 0): 0.096574
     ],
 )
-def test_beta_times_kl_is_added(loss_type, mean_kl):
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_beta_times_kl_is_added(loss_type, mean_kl, bias_correction):
+    """At ratio 1 the bias correction leaves the value as it is (r KL = KL)."""
     logps = torch.full((2, 3), math.log(0.5))  # (2, 3)
     ref_logps = torch.tensor([[math.log(0.25)] * 3, [math.log(0.5)] * 3])  # (2, 3)
     advantages = torch.tensor([1.0, -1.0])  # (2,)
-    common = dict(loss_type=loss_type)
+    common = dict(loss_type=loss_type, use_bias_correction_kl=bias_correction)
     no_kl, _ = grpo_loss(logps, logps, ref_logps, advantages, MASK, beta=0.0, **common)
     with_kl, metrics = grpo_loss(logps, logps, ref_logps, advantages, MASK, beta=0.04, **common)
     assert (with_kl - no_kl).item() == pytest.approx(0.04 * mean_kl, rel=1e-5)
     assert metrics["kl"].item() == pytest.approx(2 * (LOG2 - 0.5) / 5, rel=1e-5)  # token mean
+
+
+@pytest.mark.parametrize(("bias_correction", "grad"), [(False, 0.5), (True, LOG2)])
+def test_bias_corrected_k3_gradient_at_ratio_one(bias_correction, grad):
+    """One token, logp = log 0.5, ref = log 0.25, x = ref - logp = -log 2, A = 0, beta = 1.
+    k3 = e^x - x - 1, d k3 / d logp = 1 - e^x = 0.5. Corrected, r k3 with r = e^(logp - old):
+    d / d logp = r k3 + r (1 - e^x) = (log 2 - 0.5) + 0.5 = log 2 at r = 1 (k1's value, logp - ref)."""
+    logps = one_token(math.log(0.5)).requires_grad_()
+    loss, _ = grpo_loss(
+        logps, None, one_token(math.log(0.25)), torch.tensor([0.0]), one_token(1.0), beta=1.0,
+        use_bias_correction_kl=bias_correction,
+    )  # fmt: skip
+    assert loss.item() == pytest.approx(LOG2 - 0.5)  # r = 1: the same value either way
+    assert torch.autograd.grad(loss, logps)[0].item() == pytest.approx(grad)
+
+
+def test_bias_corrected_kl_is_weighted_by_the_ratio_off_policy():
+    """logp = log 0.5, old = logp - 0.5 (r = e^0.5 = 1.64872), ref = log 0.25: k3 = log 2 - 0.5 =
+    0.193147, corrected 1.64872 x 0.193147 = 0.318446; A = 0 leaves the KL alone (beta = 1)."""
+    logps, ref = one_token(math.log(0.5)), one_token(math.log(0.25))
+    args = (logps, logps - 0.5, ref, torch.tensor([0.0]), one_token(1.0))
+    corrected, metrics = grpo_loss(*args, beta=1.0)
+    plain, _ = grpo_loss(*args, beta=1.0, use_bias_correction_kl=False)
+    assert plain.item() == pytest.approx(LOG2 - 0.5)
+    assert corrected.item() == pytest.approx(math.exp(0.5) * (LOG2 - 0.5))
+    assert metrics["kl"].item() == pytest.approx(math.exp(0.5) * (LOG2 - 0.5))  # TRL logs the weighted KL
 
 
 def test_kl_estimator_is_passed_through():
@@ -298,11 +371,19 @@ HAND_AGGREGATE = {
     "bnpo": lambda v, m: (v * m).sum() / 5,
     "dr_grpo": lambda v, m: (v * m).sum() / (2 * 3),
     "dapo": lambda v, m: (v * m).sum() / 5,
+    "luspo": lambda v, m: (v * m).sum(dim=1).mean(),  # per-sequence sum, then mean
+}
+HAND_AGGREGATE |= {
+    "sapo": HAND_AGGREGATE["grpo"],
+    "cispo": HAND_AGGREGATE["dapo"],
+    "vespo": HAND_AGGREGATE["dapo"],
 }
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_gradient_at_ratio_one_is_advantage_times_grad_logp(loss_type):
+    """Every policy term is the policy gradient at r = 1: the clip does not bind, CISPO's weight is
+    min(1, epsilon_high = 5) = 1, SAPO's gate has slope 4 sigmoid'(0) = 1, VESPO's phi(1) = 1."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(4, 5)  # theta: a tiny policy over a vocabulary of 5
     features = torch.randn(2, 3, 4)  # (B, T, hidden)
@@ -314,7 +395,7 @@ def test_gradient_at_ratio_one_is_advantage_times_grad_logp(loss_type):
         return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
 
     logps = policy_logps()  # (B, T)
-    loss, _ = grpo_loss(logps, logps.detach(), None, advantages, MASK, loss_type=loss_type)
+    loss, _ = grpo_loss(logps, logps.detach(), None, advantages, MASK, loss_type=loss_type, epsilon_high=5.0)
     got = torch.autograd.grad(loss, list(layer.parameters()))
     # By hand: the policy-gradient loss -A * log pi, aggregated the same way.
     pg_loss = HAND_AGGREGATE[loss_type](-advantages.unsqueeze(1) * policy_logps(), MASK)
@@ -322,10 +403,15 @@ def test_gradient_at_ratio_one_is_advantage_times_grad_logp(loss_type):
     for g, w in zip(got, want, strict=True):
         assert w.abs().sum() > 0
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
-    # The value is -mean(A) in the same aggregation (ratio exactly 1): the logged loss is not the gradient.
-    assert loss.item() == pytest.approx(
-        HAND_AGGREGATE[loss_type](-advantages.unsqueeze(1).expand(2, 3), MASK).item()
-    )
+    # The value is -mean(A) in the same aggregation (ratio exactly 1): the logged loss is not the
+    # gradient. SAPO's gate is 4 sigmoid(0) / tau = 2 / tau at r = 1 (tau 1 for A > 0, 1.05 else);
+    # CISPO's and VESPO's value is the policy-gradient loss -A log pi itself.
+    values = {
+        "sapo": -advantages.unsqueeze(1).expand(2, 3) * torch.tensor([[2.0], [2 / 1.05]]),
+        "cispo": -advantages.unsqueeze(1) * logps.detach(),
+        "vespo": -advantages.unsqueeze(1) * logps.detach(),
+    }.get(loss_type, -advantages.unsqueeze(1).expand(2, 3))
+    assert loss.item() == pytest.approx(HAND_AGGREGATE[loss_type](values, MASK).item(), rel=1e-5)
 
 
 def test_old_logps_none_means_same_policy():
@@ -357,13 +443,6 @@ def test_adaptive_beta_hand_values():
     )
     # Exactly at target: unchanged
     assert adaptive_beta(0.1, kl=0.01, target_kl=0.01, num_samples=100, horizon=10000) == 0.1
-
-
-def test_sampler_is_weights_are_the_ratio_capped():
-    old = torch.log(torch.tensor([[0.5, 0.2, 0.3]]))
-    sampler = torch.log(torch.tensor([[0.25, 0.4, 0.1]]))  # ratios 2, 0.5, 3
-    weights = sampler_is_weights(old, sampler, cap=2.5)
-    torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5, 2.5]]))
 
 
 def test_sampler_weights_scale_the_policy_term_only():

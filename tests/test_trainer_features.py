@@ -1,6 +1,8 @@
 """Trainer features beyond the core loop: reward models, a user-given reference, evaluation,
 completion tables, masking of truncated completions."""
 
+import math
+
 import pytest
 import torch
 from peft import LoraConfig
@@ -201,12 +203,20 @@ def test_loss_metrics_reach_the_host_in_one_read(tmp_path, monkeypatch):
         monkeypatch.setattr(
             torch.Tensor, name, lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a)
         )
-    trainer._record_loss_metrics(metrics, logps, inputs)
+    weights = torch.tensor([[2.0, 0.5, 9.0], [1.0, 9.0, 9.0]])  # the correction's, on the 3 active tokens
+    trainer._record_loss_metrics(metrics, logps, inputs, weights)
     monkeypatch.undo()
     assert reads == ["tolist"]
     # ratios pi / pi_sampler on the 3 active tokens: 0.5 / 0.25, 0.2 / 0.4, 0.1 / 0.1
-    assert trainer.metrics.values["train"]["sampler/ratio_max"] == [pytest.approx(2.0)]
+    values = trainer.metrics.values["train"]
+    assert values["sampler/ratio_max"] == [pytest.approx(2.0)]
+    assert values["sampling/sampling_logp_difference/max"] == [pytest.approx(math.log(2))]
+    assert values["sampling/importance_sampling_ratio/min"] == [0.5]
+    assert values["sampling/importance_sampling_ratio/max"] == [2.0]
     sums = trainer.metrics.token_sums["train"]
     assert sums["sampler/ratio_mean"] == [pytest.approx(3.5), 3.0]  # mean 3.5 / 3 over 3 tokens
+    assert sums["sampling/importance_sampling_ratio/mean"] == [pytest.approx(3.5), 3.0]  # (2 + 0.5 + 1) / 3
+    # |log ratio|: log 2, log 2, 0 -> mean 2 log 2 / 3
+    assert sums["sampling/sampling_logp_difference/mean"] == [pytest.approx(2 * math.log(2)), 3.0]
     assert sums["kl"] == [pytest.approx(0.375), 3.0] and sums["entropy"] == [pytest.approx(6.0), 3.0]
     assert trainer._round_kl == [0.125]

@@ -202,13 +202,23 @@ class RecordingLossTrainer(LengthsTrainer):
 LOSS_SETTINGS = {
     "token": dict(
         epsilon=0.05, epsilon_high=0.01, delta=1.02, beta=0.1, kl_estimator="k1", entropy_coef=0.01,
-        loss_type="bnpo", scale_rewards="batch",
+        loss_type="bnpo", scale_rewards="batch", use_bias_correction_kl=False,
     ),
     "sequence": dict(importance_sampling_level="sequence", epsilon=0.02, beta=0.0),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.001, beta=0.0),
+    "sapo": dict(loss_type="sapo", sapo_temperature_pos=3.0, sapo_temperature_neg=0.3, beta=0.0),
+    "luspo": dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=0.02, beta=0.0),
+    "vespo": dict(
+        loss_type="vespo", vespo_k_pos=0.5, vespo_lambda_pos=0.1, vespo_k_neg=0.5, vespo_lambda_neg=6.0, beta=0.0,
+        learning_rate=3e-4,  # at 3e-2 sequence ratios reach e^20, where phi ~ 0 for any k, lambda
+    ),
 }  # fmt: skip
+TRAINING_ONLY = {"scale_rewards", "learning_rate"}  # settings that do not reach grpo_loss
 DEFAULTS = dict(
     epsilon=0.2, epsilon_high=None, delta=None, beta=0.0, kl_estimator="k3", entropy_coef=0.0,
-    loss_type="dapo", importance_sampling_level="token",
+    loss_type="dapo", importance_sampling_level="token", use_bias_correction_kl=True,
+    sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0, vespo_lambda_neg=2.0,
 )  # fmt: skip
 
 
@@ -228,8 +238,7 @@ def test_loss_settings_reach_the_loss(tmp_path, level):
             num_iterations=2,
             max_steps=2,
             max_completion_length=10,
-            learning_rate=0.03,
-            **settings,
+            **({"learning_rate": 0.03} | settings),
         ),  # fmt: skip
         train_dataset=chat_dataset(2),
         processing_class=tiny_tokenizer(),
@@ -245,7 +254,7 @@ def test_loss_settings_reach_the_loss(tmp_path, level):
     advantages = torch.cat([trainer.calls[0][1]["advantages"], trainer.calls[1][1]["advantages"]])
     torch.testing.assert_close(advantages, centred / (std + 1e-4))
     model = peaky_llama()
-    configured = {**DEFAULTS, **{k: v for k, v in settings.items() if k != "scale_rewards"}}
+    configured = {**DEFAULTS, **{k: v for k, v in settings.items() if k not in TRAINING_ONLY}}
     for recorded, inputs, params in trainer.calls[2:]:
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -258,16 +267,18 @@ def test_loss_settings_reach_the_loss(tmp_path, level):
                 with_entropy=True,
             )
         assert recorded == pytest.approx(pure_loss(logps, entropy, inputs, configured), rel=1e-5, abs=1e-7)
-        for name in settings.keys() - {"scale_rewards", "beta"}:
+        for name in settings.keys() - TRAINING_ONLY - {"beta"}:
             changed = pure_loss(logps, entropy, inputs, {**configured, name: DEFAULTS[name]})
             assert changed != pytest.approx(recorded, rel=1e-4, abs=1e-6), f"{name} makes no difference here"
 
 
 def pure_loss(logps, entropy, inputs, settings) -> float:
-    """grpo_loss on a recorded micro-batch, with the trainer's other inputs."""
+    """grpo_loss on a recorded micro-batch, with the trainer's other inputs: the entropy bonus is a
+    token mean over the optimizer step, so it divides by the DAPO normaliser too."""
     loss, _ = grpo_loss(
         logps, inputs["old_logps"], inputs.get("ref_logps"), inputs["advantages"], inputs["completion_mask"],
-        max_completion_length=10, entropy=entropy, dapo_normalizer=inputs["dapo_normalizer"], **settings,
+        max_completion_length=10, entropy=entropy, dapo_normalizer=inputs["dapo_normalizer"],
+        entropy_normalizer=inputs["dapo_normalizer"], **settings,
     )  # fmt: skip
     return loss.item()
 

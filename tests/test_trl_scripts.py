@@ -17,7 +17,10 @@ import pytest
 from tiny_models import tiny_llama, tiny_tokenizer
 
 SCRIPTS = Path(__file__).parent / "trl_scripts"
-IMPORTS = {"from trl import ": "from grpo_hf import ", "from trl.rewards import ": "from grpo_hf.rewards import "}
+IMPORTS = {
+    "from trl import ": "from grpo_hf import ",
+    "from trl.rewards import ": "from grpo_hf.rewards import ",
+}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,13 @@ def test_trl_settings_and_reward_functions(model_dir, tmp_path):
     history = logged(run(ported("custom_rewards.py", tmp_path), model_dir, tmp_path))
     steps = [entry for entry in history if "loss" in entry]
     assert len(steps) == 2
-    for name in ("token_count_reward", "boxed_reward", "math_only_reward", "async_reward", "curriculum_reward"):
+    for name in (
+        "token_count_reward",
+        "boxed_reward",
+        "math_only_reward",
+        "async_reward",
+        "curriculum_reward",
+    ):
         assert f"rewards/{name}/mean" in steps[0]
     assert "accuracy" in steps[0]  # log_metric
     for metric in ("clip_ratio/low_mean", "clip_ratio/high_mean", "entropy", "kl", "num_tokens"):

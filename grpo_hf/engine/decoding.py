@@ -145,6 +145,7 @@ class LlamaDecoder:
         self.eps = config.rms_norm_eps
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
+        self.head_dtype = model.lm_head.weight.dtype  # float32 with cast_lm_head_to_fp32
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
@@ -179,7 +180,7 @@ class LlamaDecoder:
         hidden = F.embedding(prompt_ids[first], self.embed)  # (U, P, E)
         for i in range(len(self.layers)):
             hidden = self._prefill_layer(i, hidden, cos, signed_sin, bias, row_to_unique)
-        return self.lm_head(_rms_norm(hidden[:, -1], self.final_norm, self.eps)).float()[
+        return self.lm_head(_rms_norm(hidden[:, -1], self.final_norm, self.eps).to(self.head_dtype)).float()[
             row_to_unique
         ]  # (B, V)
 
@@ -232,7 +233,9 @@ class LlamaDecoder:
             )  # (B, H * D)
             hidden = _feed_forward(hidden + out_proj(attention), norm_post, gate_up, down, self.eps)
         self.step += 1
-        return self.lm_head(_rms_norm(hidden, self.final_norm, self.eps)).float()  # (B, V)
+        return self.lm_head(
+            _rms_norm(hidden, self.final_norm, self.eps).to(self.head_dtype)
+        ).float()  # (B, V)
 
     @torch.inference_mode()
     def keep(self, rows: torch.Tensor) -> None:

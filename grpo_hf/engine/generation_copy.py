@@ -25,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from grpo_hf.engine.attention import bias_from, grouped_attention
+from grpo_hf.engine.logprobs import Float32Head
 from grpo_hf.reference import is_peft_model
 
 DECODE_ATTENTION = "grpo_hf_decode"
@@ -73,6 +74,9 @@ class GenerationCopy:
             self.model = copy.deepcopy(policy)
             self._lora_layers = {}
         self.model.to(dtype).eval().requires_grad_(False)
+        for module in self.model.modules():  # cast_lm_head_to_fp32: the sampler's head stays float32 too
+            if isinstance(module, Float32Head):
+                module.float()
         if getattr(self.model, "_supports_attention_backend", False):
             self.model.set_attn_implementation(DECODE_ATTENTION)
         self._targets = dict(self.model.named_modules())

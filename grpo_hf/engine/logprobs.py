@@ -116,6 +116,18 @@ def completion_logits(
     return torch.cat([first.unsqueeze(1), out.logits[:, :-1]], dim=1)  # (B, C, V)
 
 
+class Float32Head(nn.Linear):
+    """An LM head that computes in float32 whatever the model's dtype or autocast (ScaleRL, arXiv
+    2510.13786; `GRPOConfig.cast_lm_head_to_fp32`, `models.cast_lm_head_to_fp32`): float32 weights,
+    and the product taken with autocast off on the hidden states cast to float32. The padding-free
+    pass's fused head takes its products in float32 for it too (`_ScoringHead`)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
 class _ScoringHead(nn.Module):
     """Stands in for a model's LM head for one call: (1, K, E) hidden -> log-probs, entropy (K,)."""
 
@@ -135,6 +147,8 @@ class _ScoringHead(nn.Module):
         device = hidden.device.type
         weight = self.head.weight  # (V, E)
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        if isinstance(self.head, Float32Head):
+            dtype = torch.float32
         logps, entropy = head_token_logps(
             hidden.squeeze(0),
             weight,
@@ -152,7 +166,7 @@ def scoring_head(model: nn.Module) -> nn.Linear | None:
     head = unwrapped(model).get_output_embeddings()
     return (
         head
-        if type(head) is nn.Linear
+        if type(head) in (nn.Linear, Float32Head)
         and head.bias is None
         and type(head.weight.data) is torch.Tensor  # not an FSDP2 shard
         and not hasattr(head.weight, "ds_id")  # not a DeepSpeed ZeRO-3 partition

@@ -16,6 +16,8 @@ def reward_len(completions, **kwargs):
     return [-abs(20 - len(completion)) / 20 for completion in completions]
 
 
-trainer = GRPOTrainer(model=os.environ["MODEL"], reward_funcs=reward_len, args=training_args, train_dataset=dataset)
+trainer = GRPOTrainer(
+    model=os.environ["MODEL"], reward_funcs=reward_len, args=training_args, train_dataset=dataset
+)
 trainer.train()
 print(json.dumps(trainer.state.log_history))

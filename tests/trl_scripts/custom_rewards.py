@@ -12,7 +12,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 rows = []
 for i in range(4):
-    rows.append({"prompt": f"Problem: what is {i} + {i}? Solution:", "ground_truth": str(2 * i), "task": "math"})
+    rows.append(
+        {"prompt": f"Problem: what is {i} + {i}? Solution:", "ground_truth": str(2 * i), "task": "math"}
+    )
     rows.append({"prompt": f"Write a function returning {i}.", "ground_truth": str(i), "task": "code"})
 dataset = Dataset.from_list(rows)
 
@@ -42,7 +44,10 @@ def boxed_reward(completions, ground_truth, log_extra=None, log_metric=None, **k
 
 
 def math_only_reward(prompts, completions, task, **kwargs):
-    return [float(str(i) in c) if t == "math" else None for i, (c, t) in enumerate(zip(completions, task, strict=True))]
+    return [
+        float(str(i) in c) if t == "math" else None
+        for i, (c, t) in enumerate(zip(completions, task, strict=True))
+    ]
 
 
 async def async_reward(prompts, completions, **kwargs):

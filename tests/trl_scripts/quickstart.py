@@ -9,8 +9,14 @@ from trl.rewards import accuracy_reward
 
 dataset = Dataset.from_list(
     [
-        {"prompt": [{"role": "user", "content": "What is 2 + 3? Put the answer in \\boxed{}."}], "solution": "5"},
-        {"prompt": [{"role": "user", "content": "What is 7 - 4? Put the answer in \\boxed{}."}], "solution": "3"},
+        {
+            "prompt": [{"role": "user", "content": "What is 2 + 3? Put the answer in \\boxed{}."}],
+            "solution": "5",
+        },
+        {
+            "prompt": [{"role": "user", "content": "What is 7 - 4? Put the answer in \\boxed{}."}],
+            "solution": "3",
+        },
     ]
 )
 

@@ -1,0 +1,160 @@
+"""cast_lm_head_to_fp32: the LM head computes in float32 in every pass that scores or samples tokens."""
+
+import pytest
+import torch
+from peft import LoraConfig
+from tiny_models import tiny_gpt2, tiny_llama, tiny_mistral, tiny_tokenizer
+from trainer_helpers import chat_dataset, length_reward, make_config
+
+from grpo_hf import GRPOTrainer
+from grpo_hf.engine import logprobs
+from grpo_hf.engine.logprobs import Float32Head, completion_logps
+from grpo_hf.models import cast_lm_head_to_fp32
+
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26]])  # (2, 7): completion C = 3
+C = 3
+
+
+def float64_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(hidden @ weight.T) at the targets, in float64: the reference for a float32 head."""
+    logits = hidden.double() @ weight.double().T  # (..., V)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def test_the_head_computes_in_float32_under_bf16_autocast():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 259, bias=False)
+    hidden = torch.randn(6, 32).bfloat16()  # (6, 32)
+    want = hidden.double() @ head.weight.double().T  # (6, V)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = head(hidden)
+        head.__class__ = Float32Head
+        cast = head(hidden)
+    assert plain.dtype == torch.bfloat16 and cast.dtype == torch.float32
+    torch.testing.assert_close(cast.double(), want, rtol=1e-6, atol=1e-6)
+    assert (plain.double() - want).abs().max() > 1e-3  # a bf16 product is visibly rounded
+
+
+def test_cast_keeps_the_parameters_and_their_names():
+    model = tiny_llama().to(torch.bfloat16)
+    weight = model.lm_head.weight
+    before = weight.detach().clone()
+    keys = list(model.state_dict())
+    cast_lm_head_to_fp32(model)
+    assert type(model.lm_head) is Float32Head and model.lm_head.weight is weight  # the same Parameter
+    assert weight.dtype == torch.float32 and torch.equal(weight.detach(), before.float())
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16  # the rest untouched
+    assert list(model.state_dict()) == keys
+
+
+def test_fused_head_of_the_padding_free_pass_computes_in_float32(monkeypatch):
+    """A bf16 Llama: with the cast, the fused LM head takes its products in float32 from the float32
+    weight (the dtype it is handed, and values equal to a float64 reference on the same hidden
+    states); without, in bf16. Training the head, its gradient is float32 too."""
+    calls = []
+    original = logprobs.head_token_logps
+
+    def spy(hidden, weight, targets, temperature, with_entropy, dtype, entropy_grad=False):
+        calls.append((hidden.detach(), weight.detach(), targets, dtype))
+        return original(hidden, weight, targets, temperature, with_entropy, dtype, entropy_grad)
+
+    monkeypatch.setattr(logprobs, "head_token_logps", spy)
+    model = tiny_llama().to(torch.bfloat16)
+    with torch.no_grad():
+        completion_logps(model, IDS, torch.ones_like(IDS), C)
+    assert calls.pop()[3] == torch.bfloat16
+    cast_lm_head_to_fp32(model)
+    logps, _ = completion_logps(model, IDS, torch.ones_like(IDS), C)  # (2, C)
+    hidden, weight, targets, dtype = calls.pop()
+    assert dtype == torch.float32 and weight.dtype == torch.float32
+    # the packed row's first B positions are each row's first completion token, then the others
+    want = float64_logps(hidden, weight, targets)  # (B + K,)
+    got = torch.cat([logps[:, 0], logps[:, 1:].flatten()])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    logps.sum().backward()
+    assert model.lm_head.weight.grad.dtype == torch.float32
+
+
+def test_fused_head_is_float32_under_the_trainers_bf16_autocast(monkeypatch):
+    dtypes = []
+    original = logprobs.head_token_logps
+    monkeypatch.setattr(
+        logprobs,
+        "head_token_logps",
+        lambda *args, **kwargs: dtypes.append(args[5]) or original(*args, **kwargs),
+    )
+    model = tiny_llama()  # float32 weights, bf16 autocast: mixed precision as --bf16 runs it
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        completion_logps(model, IDS, torch.ones_like(IDS), C)
+        cast_lm_head_to_fp32(model)
+        completion_logps(model, IDS, torch.ones_like(IDS), C)
+    assert dtypes == [torch.bfloat16, torch.float32]
+
+
+def test_unfused_pass_of_other_models_goes_through_the_float32_head():
+    """A Mistral (not packable) runs its own forward: the head's output is float32 and exact to a
+    float64 reference on the bf16 hidden states it got."""
+    model = tiny_mistral().to(torch.bfloat16)
+    cast_lm_head_to_fp32(model)
+    seen = []
+    model.lm_head.register_forward_hook(lambda module, args, out: seen.append((args[0], out)))
+    with torch.no_grad():
+        logps, _ = completion_logps(model, IDS, torch.ones_like(IDS), C)
+    assert logps.dtype == torch.float32
+    for hidden, out in seen:
+        assert hidden.dtype == torch.bfloat16 and out.dtype == torch.float32
+        want = hidden.double() @ model.lm_head.weight.double().T
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_or_adapted_heads_are_refused_with_the_setting_named(tmp_path):
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32.*tie_word_embeddings"):
+        cast_lm_head_to_fp32(tiny_gpt2())
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32.*tie_word_embeddings"):
+        GRPOTrainer(
+            model=tiny_gpt2(),
+            reward_funcs=length_reward,
+            args=make_config(tmp_path, cast_lm_head_to_fp32=True),
+            train_dataset=chat_dataset(),
+            processing_class=tiny_tokenizer(),
+        )
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32.*lm_head"):
+        GRPOTrainer(
+            model=tiny_llama(),
+            reward_funcs=length_reward,
+            args=make_config(tmp_path, cast_lm_head_to_fp32=True),
+            train_dataset=chat_dataset(),
+            processing_class=tiny_tokenizer(),
+            peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]),
+        )
+
+
+def test_training_with_a_float32_head_under_bf16(tmp_path, monkeypatch):
+    """--bf16 on a float32 Llama: the policy's, the reference's and the bf16 generation copy's heads are
+    float32 (the copy's other weights bf16, decoded by LlamaDecoder); every scoring pass computes the
+    head in float32; the head trains."""
+    dtypes = []
+    original = logprobs.head_token_logps
+    monkeypatch.setattr(
+        logprobs,
+        "head_token_logps",
+        lambda *args, **kwargs: dtypes.append(args[5]) or original(*args, **kwargs),
+    )
+    trainer = GRPOTrainer(
+        model=tiny_llama(),
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, cast_lm_head_to_fp32=True, bf16=True, beta=0.04, max_steps=1),
+        train_dataset=chat_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    copy = trainer.generation_copy.model
+    assert (
+        copy.model.embed_tokens.weight.dtype == torch.bfloat16 and copy.lm_head.weight.dtype == torch.float32
+    )
+    for model in (trainer.model, trainer.ref_model, copy):
+        assert type(model.lm_head) is Float32Head and model.lm_head.weight.dtype == torch.float32
+    before = trainer.model.lm_head.weight.detach().clone()
+    trainer.train()
+    assert dtypes and set(dtypes) == {torch.float32}  # reference and policy passes
+    assert not torch.equal(trainer.model.lm_head.weight, before)
+    assert trainer.state.log_history[0]["completions/mean_length"] > 0

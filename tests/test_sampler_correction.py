@@ -1,0 +1,175 @@
+"""Importance sampling against the sampler: the four modes by hand, which settings apply to which
+backend, TRL's checks and warnings, and the metrics."""
+
+import math
+
+import pytest
+import torch
+
+from grpo_hf.config import GRPOConfig
+from grpo_hf.loss import grpo_loss
+from grpo_hf.sampler_correction import (
+    SamplerCorrection,
+    check_sampler_settings,
+    sampler_correction,
+    sampler_is_weights,
+    sampler_metrics,
+)
+
+# Row 0: pi_old (0.5, 0.2, 0.3) against the sampler's (0.25, 0.4, 0.1): ratios 2, 0.5, 3, product 3.
+# Row 1: (0.5, 0.4, pad) against (0.4, 0.5, pad): ratios 1.25, 0.8, product 1; its padding's
+# log-probs differ (-5 vs 0) but are out of the loss.
+OLD = torch.log(torch.tensor([[0.5, 0.2, 0.3], [0.5, 0.4, math.exp(-5)]]))  # (2, 3)
+SAMPLER = torch.log(torch.tensor([[0.25, 0.4, 0.1], [0.4, 0.5, 1.0]]))  # (2, 3)
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+
+
+@pytest.mark.parametrize(
+    ("mode", "clip_min", "clip_max", "expected"),
+    [
+        ("token_truncate", None, 2.5, [[2.0, 0.5, 2.5], [1.25, 0.8, 1.0]]),
+        ("token_truncate", 0.6, 2.5, [[2.0, 0.6, 2.5], [1.25, 0.8, 1.0]]),
+        ("token_mask", 0.6, 2.5, [[2.0, 0.0, 0.0], [1.25, 0.8, 1.0]]),
+        ("token_mask", 0.9, None, [[2.0, 0.0, 3.0], [1.25, 0.0, 1.0]]),
+        ("sequence_truncate", None, 2.5, [[2.5] * 3, [1.0] * 3]),  # 3 capped at 2.5; 1.25 x 0.8 = 1
+        ("sequence_truncate", 1.5, 4.0, [[3.0] * 3, [1.5] * 3]),  # 1 raised to 1.5
+        ("sequence_mask", None, 2.5, [[0.0] * 3, [1.0] * 3]),  # 3 > 2.5: the whole row out
+        ("sequence_mask", None, 3.5, [[3.0] * 3, [1.0] * 3]),
+    ],
+)
+def test_modes_by_hand(mode, clip_min, clip_max, expected):
+    weights = sampler_is_weights(OLD, SAMPLER, MASK, SamplerCorrection(mode, clip_min, clip_max))
+    torch.testing.assert_close(weights, torch.tensor(expected))
+
+
+def test_an_unscored_token_counts_as_ratio_one():
+    sampler = SAMPLER.clone()
+    sampler[0, 2] = math.nan  # 2 x 0.5 x 1 = 1 for the row
+    weights = sampler_is_weights(OLD, sampler, MASK, SamplerCorrection("sequence_mask", None, 3.0))
+    torch.testing.assert_close(weights[0], torch.ones(3))
+
+
+def test_weights_scale_the_policy_term_only():
+    """beta = 0.1 k1 with ref = logp - 1 (KL 1 per token), A = 1, ratio 1: per token -w + 0.1."""
+    logps = torch.zeros(1, 2, requires_grad=True)
+    weights = torch.tensor([[0.5, 2.0]])
+    loss, _ = grpo_loss(
+        logps, None, logps.detach() - 1.0, torch.tensor([1.0]), torch.ones(1, 2), loss_type="bnpo", beta=0.1,
+        kl_estimator="k1", sampler_weights=weights,
+    )  # fmt: skip
+    assert loss.item() == pytest.approx(((-0.5 + 0.1) + (-2.0 + 0.1)) / 2)
+
+
+def test_metrics_by_hand():
+    """Five loss tokens, ratios 2, 0.5, 3, 1.25, 0.8: mean 7.55 / 5 = 1.51, max 3; |log ratio|:
+    log 2, log 2, log 3, log 1.25, log 1.25 -> mean (2 log 2 + log 3 + 2 log 1.25) / 5, max log 3.
+    Weights of sequence_mask at 2.5: 0 on row 0's three tokens, 1 on row 1's two: min 0, mean 2 / 5, max 1."""
+    weights = sampler_is_weights(OLD, SAMPLER, MASK, SamplerCorrection("sequence_mask", None, 2.5))
+    metrics = {k: v.item() for k, v in sampler_metrics(OLD, SAMPLER, MASK, weights).items()}
+    assert metrics == pytest.approx(
+        {
+            "sampler/ratio_mean": 7.55 / 5,
+            "sampler/ratio_max": 3.0,
+            "sampling/sampling_logp_difference/mean": (2 * math.log(2) + math.log(3) + 2 * math.log(1.25))
+            / 5,
+            "sampling/sampling_logp_difference/max": math.log(3),
+            "sampling/importance_sampling_ratio/min": 0.0,
+            "sampling/importance_sampling_ratio/mean": 0.4,
+            "sampling/importance_sampling_ratio/max": 1.0,
+        }
+    )
+    without = sampler_metrics(OLD, SAMPLER, MASK, None)
+    assert not any(name.startswith("sampling/importance") for name in without)
+    empty = sampler_metrics(OLD, SAMPLER, torch.zeros(2, 3), weights)  # no loss token: extremes -inf / inf
+    assert empty["sampler/ratio_max"].item() == -math.inf
+    assert empty["sampling/importance_sampling_ratio/min"].item() == math.inf
+
+
+# ---- Which correction applies, and TRL's checks ------------------------------------------------
+
+
+def config(tmp_path, **kwargs) -> GRPOConfig:
+    return GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kwargs)
+
+
+def with_vllm(args: GRPOConfig) -> GRPOConfig:
+    """`generation_backend == "vllm"` after __post_init__ is the vLLM backend's contract (issue 22)."""
+    args.generation_backend = "vllm"
+    args.check_loss_combinations()
+    return args
+
+
+def test_our_decoder_uses_sampler_is_cap_and_vllm_uses_trl_settings(tmp_path):
+    args = config(tmp_path)
+    assert (args.vllm_importance_sampling_correction, args.vllm_importance_sampling_mode) == (
+        True,
+        "sequence_mask",
+    )
+    assert args.vllm_importance_sampling_clip_max == 3.0 and args.vllm_importance_sampling_clip_min is None
+    assert sampler_correction(args) is None  # our decoder: off unless sampler_is_cap
+    assert sampler_correction(config(tmp_path, sampler_is_cap=2.0)) == SamplerCorrection(
+        "token_truncate", None, 2.0
+    )
+    assert sampler_correction(with_vllm(config(tmp_path))) == SamplerCorrection("sequence_mask", None, 3.0)
+    trl = with_vllm(
+        config(
+            tmp_path,
+            vllm_importance_sampling_mode="token_mask",
+            vllm_importance_sampling_clip_min=0.5,
+            vllm_importance_sampling_clip_max=None,
+        )
+    )
+    assert sampler_correction(trl) == SamplerCorrection("token_mask", 0.5, None)
+    assert sampler_correction(with_vllm(config(tmp_path, vllm_importance_sampling_correction=False))) is None
+
+
+def test_deprecated_cap_warns_and_sets_clip_max(tmp_path):
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_clip_max"):
+        args = config(tmp_path, vllm_importance_sampling_cap=5.0)
+    assert args.vllm_importance_sampling_clip_max == 5.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        (
+            {"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 2.0},
+            ["vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max"],
+        ),
+        (
+            {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": None},
+            ["vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max"],
+        ),
+        ({"vllm_importance_sampling_mode": "token"}, ["vllm_importance_sampling_mode"]),
+        ({"vllm_importance_sampling_clip_max": 0.0}, ["vllm_importance_sampling_clip_max"]),
+        ({"vllm_importance_sampling_clip_min": -1.0}, ["vllm_importance_sampling_clip_min"]),
+        ({"sampler_is_cap": 0.0}, ["sampler_is_cap"]),
+    ],
+)
+def test_errors_name_the_setting(tmp_path, kwargs, names):
+    with pytest.raises(ValueError) as error:
+        config(tmp_path, **kwargs)
+    for name in names:
+        assert name in str(error.value)
+
+
+def test_truncation_without_bounds_is_fine_when_the_correction_is_off(tmp_path):
+    args = config(
+        tmp_path,
+        vllm_importance_sampling_correction=False,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=None,
+    )
+    check_sampler_settings(args)
+
+
+def test_vllm_errors_name_the_setting(tmp_path):
+    with pytest.raises(ValueError, match="sampler_is_cap"):
+        with_vllm(config(tmp_path, sampler_is_cap=2.0))
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode.*'sequence_mask'"):
+        with_vllm(config(tmp_path, loss_type="vespo"))  # TRL's default mode is sequence-level
+    args = with_vllm(config(tmp_path, loss_type="vespo", vllm_importance_sampling_mode="token_truncate"))
+    assert sampler_correction(args).mode == "token_truncate"
+    with_vllm(
+        config(tmp_path, loss_type="vespo", vllm_importance_sampling_correction=False)
+    )  # no weights: fine
