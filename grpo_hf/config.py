@@ -40,7 +40,22 @@ class GRPOConfig(TrainingArguments):
     learning_rate: float = field(
         default=1e-6, metadata={"help": "AdamW learning rate (1e-6 as in DeepSeekMath)."}
     )
-    logging_steps: float = field(default=1, metadata={"help": "Log every N optimizer steps."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps (TRL's 10)."})
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "bf16 mixed precision. Unset (with --fp16 unset too): precision='auto', bf16 where the device "
+            "computes it natively (TRL turns bf16 on everywhere; on a CPU without native bf16 it is emulated and "
+            "several times slower than float32)."
+        },
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Recompute activations in backward to save memory (TRL's default: on, as here when unset). "
+            "Also settable as activation_checkpointing (transformers' newer name)."
+        },
+    )
     remove_unused_columns: bool = field(
         default=False,
         metadata={
@@ -111,10 +126,15 @@ class GRPOConfig(TrainingArguments):
         },
     )
     max_prompt_length: int | None = field(
-        default=512,
-        metadata={"help": "Prompts longer than this many tokens keep their last tokens (with a warning)."},
+        default=None,
+        metadata={
+            "help": "Prompts longer than this many tokens keep their last tokens (with a warning). Default None: "
+            "no truncation (TRL has no such setting)."
+        },
     )
-    max_completion_length: int = field(default=256, metadata={"help": "Maximum new tokens per completion."})
+    max_completion_length: int = field(
+        default=512, metadata={"help": "Maximum new tokens per completion (TRL's 512)."}
+    )
     temperature: float = field(
         default=1.0, metadata={"help": "Sampling temperature; log-probs use the same."}
     )
@@ -338,7 +358,11 @@ class GRPOConfig(TrainingArguments):
 
     # ---- KL to the reference -------------------------------------------------------------------
     beta: float = field(
-        default=0.04, metadata={"help": "KL coefficient (0.04 in DeepSeekMath); 0 loads no reference model."}
+        default=0.0,
+        metadata={
+            "help": "KL coefficient. 0 (TRL's default) loads no reference model; DeepSeekMath used 0.04, "
+            "DeepSeek-R1 0.001."
+        },
     )
     kl_estimator: str = field(
         default="k3", metadata={"help": "KL estimator: 'k1', 'k2' or 'k3' (Schulman's approximations)."}
@@ -443,6 +467,7 @@ class GRPOConfig(TrainingArguments):
 
     def __post_init__(self) -> None:
         self._resolve_precision()
+        self._resolve_checkpointing()
         super().__post_init__()
         self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         self._resolve_scale_rewards()
@@ -502,9 +527,13 @@ class GRPOConfig(TrainingArguments):
             )
 
     def _resolve_precision(self) -> None:
-        """precision -> the --bf16 flag; 'auto' from what the device computes natively."""
+        """precision -> the --bf16 flag; 'auto' from what the device computes natively. Unset, with
+        neither --bf16 nor --fp16 given, it is 'auto' (TRL's default is bf16 on)."""
         if self.precision is None:
-            return
+            if self.bf16 is not None or self.fp16:
+                self.bf16 = bool(self.bf16)
+                return
+            self.precision = "auto"
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not one of {PRECISIONS}; or leave it unset.")
         if self.fp16 or (self.bf16 and self.precision != "bf16"):
@@ -515,6 +544,13 @@ class GRPOConfig(TrainingArguments):
         self.bf16 = native_bf16(self.use_cpu)[0] if auto else self.precision == "bf16"
         if self.bf16 and not torch.cuda.is_available():
             self.use_cpu = True  # transformers asks for it to run bf16 on a CPU
+
+    def _resolve_checkpointing(self) -> None:
+        """Gradient checkpointing on unless set (TRL's default), under either of transformers' names
+        (transformers >= 5.20 calls it activation_checkpointing, the old name a deprecated alias)."""
+        if self.gradient_checkpointing is None and getattr(self, "activation_checkpointing", None) is None:
+            newer = hasattr(self, "activation_checkpointing")
+            setattr(self, "activation_checkpointing" if newer else "gradient_checkpointing", True)
 
     def _resolve_scale_rewards(self) -> None:
         """TRL's booleans: True -> 'group', False -> 'none' (strings from the command line too)."""
@@ -684,3 +720,10 @@ class GRPOConfig(TrainingArguments):
                 f"{self.steps_per_generation}) must be divisible by num_generations={self.num_generations}; "
                 "change per_device_train_batch_size, steps_per_generation or num_generations."
             )
+
+
+def default_output_dir(model: object) -> str:
+    """TRL's output_dir when GRPOTrainer gets no args: '<model name>-GRPO' (the last part of a model id
+    or path, or of a model object's `name_or_path`)."""
+    name = model if isinstance(model, str) else getattr(model, "name_or_path", "") or type(model).__name__
+    return f"{str(name).rstrip('/').split('/')[-1]}-GRPO"

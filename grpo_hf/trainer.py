@@ -49,7 +49,7 @@ from grpo_hf.checkpoints import (
     write_state,
 )
 from grpo_hf.completion_logs import CompletionLog, completion_rows
-from grpo_hf.config import GRPOConfig
+from grpo_hf.config import GRPOConfig, default_output_dir
 from grpo_hf.data import (
     GroupSampler,
     check_batching,
@@ -139,7 +139,7 @@ class GRPOTrainer(Trainer):
         quantization_config=None,
         **kwargs,
     ):
-        args = GRPOConfig(output_dir="outputs/grpo") if args is None else args
+        args = GRPOConfig(output_dir=default_output_dir(model)) if args is None else args
         # First, so that a Hub repo for the completions that cannot be made fails before any model work.
         self.completion_log = CompletionLog(args, args.process_index == 0)
         pool = self.environment_pool = (

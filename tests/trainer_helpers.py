@@ -40,6 +40,14 @@ def make_config(tmp_path, **overrides) -> GRPOConfig:
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
+        # The tests' settings where the defaults are TRL's (beta 0, logging every 10 steps, no prompt
+        # limit, bf16 where native, checkpointing on): a reference, every step logged, float32 on every
+        # CPU (the hand-computed values), no recomputation.
+        beta=0.04,
+        logging_steps=1,
+        max_prompt_length=512,
+        bf16=False,
+        gradient_checkpointing=False,
     )
     settings.update(overrides)
     return GRPOConfig(**settings)
