@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
+from grpo_hf.config_generation import GenerationBackendArguments
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.decoding import DECODERS
 
@@ -20,11 +21,20 @@ SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 REWARD_ERROR_POLICIES = ("raise", "retry", "zero")
 PRECISIONS = ("auto", "bf16", "fp32")
+GENERATION_BACKENDS = (*DECODERS, "vllm")
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
-    """Training arguments for `GRPOTrainer`; every GRPO field carries its help text below."""
+class GRPOConfig(TrainingArguments, GenerationBackendArguments):
+    """Training arguments for `GRPOTrainer`; every GRPO field carries its help text below, the
+    generation-backend ones (vLLM, generation_kwargs, ...) in `config_generation`."""
+
+    _VALID_DICT_FIELDS = [
+        *TrainingArguments._VALID_DICT_FIELDS,
+        "generation_kwargs",
+        "transformers_continuous_batching_config",
+        "vllm_engine_kwargs",
+    ]
 
     # ---- Overridden TrainingArguments defaults -------------------------------------------------
     learning_rate: float = field(
@@ -203,7 +213,8 @@ class GRPOConfig(TrainingArguments):
         metadata={
             "help": "Which decoder generates: 'auto' (Llama's maths on the raw weights where it reproduces "
             "the model, the model's own forward elsewhere), 'llama' (that one, or an error), 'transformers' "
-            "(the model's own forward with a DynamicCache, any architecture)."
+            "(the model's own forward with a DynamicCache, any architecture), 'vllm' (vLLM, see vllm_mode; "
+            "use_vllm=True sets it)."
         },
     )
     generation_dtype: str | None = field(
@@ -230,6 +241,7 @@ class GRPOConfig(TrainingArguments):
         self._check_choices()
         self._check_ranges()
         self._resolve_generation_batch()
+        self.check_generation_settings()
         if self.eval_strategy != "no" or self.do_eval:
             self.check_eval_batch()
 
@@ -266,7 +278,7 @@ class GRPOConfig(TrainingArguments):
             ("scale_rewards", SCALE_REWARDS),
             ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
             ("reward_error_policy", REWARD_ERROR_POLICIES),
-            ("generation_backend", DECODERS),
+            ("generation_backend", GENERATION_BACKENDS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(

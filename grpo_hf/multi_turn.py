@@ -15,7 +15,9 @@ its messages (assistant turns with their text, tool messages with their results)
 
 Each turn is one generation call over the whole context: the decoder prefills it again rather
 than keeping the previous turn's KV cache (prefill is one batched pass; the decoding steps, one
-per token, dominate a turn's time).
+per token, dominate a turn's time). With a collective generator (a vLLM server, sharded weights)
+`any_active` keeps a process whose episodes have ended calling it, with no rows, until every
+process's episodes have.
 """
 
 import itertools
@@ -71,6 +73,7 @@ def tool_episodes(
     max_completion_length: int,
     timeout: float,
     device: torch.device,
+    any_active: Callable[[bool], bool] | None = None,
 ) -> tuple[Rollout, list[list[dict]], list[Episode]]:
     """Chat prompts with their tools described (`tools.render_tool_prompt`), then `run_episodes`."""
     texts = [render_tool_prompt(tokenizer, prompt, schemas) for prompt in prompts]
@@ -84,6 +87,7 @@ def tool_episodes(
         max_iterations=max_iterations,
         max_completion_length=max_completion_length,
         timeout=timeout,
+        any_active=any_active,
     )
 
 
@@ -97,23 +101,25 @@ def run_episodes(
     max_iterations: int | None,
     max_completion_length: int,
     timeout: float,
+    any_active: Callable[[bool], bool] | None = None,
 ) -> tuple[Rollout, list[list[dict]], list[Episode]]:
     """Episodes for (B, P) left-padded prompts; `tools[i]` are row i's tools by name.
 
     Returns the rollout (completions right-padded, with `tool_mask`), each episode's messages, and
-    the episodes (their tool-call counts).
+    the episodes (their tool-call counts). `any_active(this process has episodes going)` says whether
+    any process has (for a collective `generate_turn`); None: this process decides alone.
     """
     render = ToolResultRenderer(tokenizer)
     episodes = [Episode(ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
     for turn in itertools.count():
         active = [i for i, episode in enumerate(episodes) if not episode.done]
-        if not active:
+        if not (any_active(bool(active)) if any_active is not None else active):
             break
         budgets = [max_completion_length - len(episodes[i].ids) for i in active]
         ids, mask = left_padded(
             [episodes[i].context for i in active], tokenizer.pad_token_id, prompt_ids.device
         )
-        result = generate_turn(ids, mask, max(budgets))
+        result = generate_turn(ids, mask, max(budgets, default=1))
         calls = []
         for row, (i, budget) in enumerate(zip(active, budgets, strict=True)):
             calls.append(_take_turn(episodes[i], result, row, budget, tokenizer, last=turn == max_iterations))

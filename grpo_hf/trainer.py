@@ -50,20 +50,16 @@ from grpo_hf.config import GRPOConfig
 from grpo_hf.data import GroupSampler, check_prompt_dataset, extra_prompt_indices, split_batch, trim_padding
 from grpo_hf.dynamic_sampling import ScoredRound, gather_round, sample_teaching_groups
 from grpo_hf.engine import native_bf16
-from grpo_hf.engine.generation_copy import GenerationCopy
+from grpo_hf.engine.generation import build_generator, sampling_settings
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.loss import adaptive_beta, grpo_loss, sampler_is_weights
 from grpo_hf.metrics import IntervalMetrics, log_completion_table, round_metrics
 from grpo_hf.models import disable_dropout, load_model, load_tokenizer, wrap_with_peft
 from grpo_hf.multi_turn import episode_metrics, tool_episodes
-from grpo_hf.reference import build_reference, is_peft_model, mix_into_reference, reference_context
+from grpo_hf.reference import build_reference, mix_into_reference, reference_context
+from grpo_hf.rollout_func import RolloutFunc, call_rollout_func
 from grpo_hf.scoring import RewardFunc, RewardModel, reward_functions, reward_name, score_completions
-from grpo_hf.sharding import (
-    parameters_for_mixing,
-    prepare_reference,
-    unsharded_for_generation,
-    zero3_partitioned,
-)
+from grpo_hf.sharding import parameters_for_mixing, prepare_reference, zero3_partitioned
 from grpo_hf.tools import Toolbox
 
 logger = logging.getLogger(__name__)
@@ -95,6 +91,7 @@ class GRPOTrainer(Trainer):
         ref_model: str | PreTrainedModel | None = None,
         tools: list[Callable] | None = None,
         environment_factory: Callable[[], object] | None = None,
+        rollout_func: RolloutFunc | None = None,
         **kwargs,
     ):
         args = GRPOConfig(output_dir="outputs/grpo") if args is None else args
@@ -102,6 +99,11 @@ class GRPOTrainer(Trainer):
             if dataset is not None:
                 check_prompt_dataset(dataset, name, needs_chat=bool(tools or environment_factory))
         self.toolbox = Toolbox(tools, environment_factory) if tools or environment_factory else None
+        if rollout_func is not None and self.toolbox is not None:
+            raise ValueError(
+                "rollout_func and tools / environment_factory both make the completions; pass one."
+            )
+        self.rollout_func = rollout_func
         if eval_dataset is not None:
             args.check_eval_batch()
         self.reward_funcs = reward_functions(reward_funcs, reward_processing_classes, args.reward_weights)
@@ -138,12 +140,20 @@ class GRPOTrainer(Trainer):
             if isinstance(reward, RewardModel):
                 reward.model = self.accelerator.prepare_model(reward.model, evaluation_mode=True)
         self._log_precision()
-        self.generation_copy = self._build_generation_copy()
+        self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
+        self.sampling = sampling_settings(args, self.eos_token_ids, processing_class.pad_token_id)
+        self.generator = build_generator(
+            args,
+            self.accelerator,
+            self.model,
+            lambda: self.accelerator.unwrap_model(self.model),
+            processing_class,
+            sharded=self.is_fsdp_enabled or self.is_deepspeed_enabled,
+        )
         self.reward_weights = torch.tensor(
             args.reward_weights or [1.0] * len(self.reward_funcs), dtype=torch.float32
         )
         self.beta = args.beta
-        self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
         self._micro_step = 0
         self._buffer: list[dict] = []
         self._extra_prompts = 0  # position in dynamic sampling's extra prompt stream (checkpointed)
@@ -210,27 +220,6 @@ class GRPOTrainer(Trainer):
                 "slower than float32. Set precision='auto' (or drop --bf16) to train in float32.",
                 line.split(", ", 1)[1],
             )
-
-    def _build_generation_copy(self) -> GenerationCopy | None:
-        """A plain copy to sample from: in generation_dtype (or bf16 under --bf16), and with LoRA always.
-
-        With LoRA the copy holds the adapters merged, so a Llama decodes through `LlamaDecoder` on
-        plain weights instead of the PEFT model's forward (a float32 round of the bench workload on an
-        AVX2 CPU: see README); it costs one more copy of the weights in that dtype.
-        """
-        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
-        if sharded and self.args.generation_dtype is not None:
-            raise ValueError(
-                "generation_dtype needs the whole model on each process; unset it under FSDP/DeepSpeed."
-            )
-        if sharded:
-            return None
-        model_dtype = next(self.model.parameters()).dtype
-        name = self.args.generation_dtype or ("bfloat16" if self.args.bf16 else None)
-        dtype = getattr(torch, name) if name else model_dtype
-        if dtype == model_dtype and not is_peft_model(self.model):
-            return None
-        return GenerationCopy(self.model, dtype)
 
     # ---- Generation round ---------------------------------------------------------------------
 
@@ -307,7 +296,12 @@ class GRPOTrainer(Trainer):
         prompts = [row["prompt"] for row in rows]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         start = time.perf_counter()
-        if self.toolbox is not None:
+        if self.rollout_func is not None:
+            result, completions, extra = call_rollout_func(
+                self.rollout_func, prompts, self, self.processing_class, self.eos_token_ids, device
+            )
+            columns.update(extra)
+        elif self.toolbox is not None:
             result, completions, environments = self._tool_episodes(rows)
             if environments is not None:
                 columns["environments"] = environments
@@ -347,6 +341,7 @@ class GRPOTrainer(Trainer):
             max_completion_length=args.max_completion_length,
             timeout=args.tool_timeout,
             device=self.accelerator.device,
+            any_active=self.generator.any_active,
         )
         self.record(episode_metrics(episodes))
         return result, messages, environments
@@ -417,25 +412,11 @@ class GRPOTrainer(Trainer):
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
     ) -> rollout.Rollout:
         """Sample one completion per row, of at most `max_new_tokens` (default max_completion_length)
-        tokens. Tests override this to feed fixed completions."""
-        args = self.args
-        config = rollout.generation_config(
-            max_completion_length=max_new_tokens or args.max_completion_length,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            pad_token_id=self.processing_class.pad_token_id,
-            eos_token_ids=self.eos_token_ids,
+        tokens, from the policy of this optimizer step. Tests override this to feed fixed completions."""
+        sampling = (
+            self.sampling if max_new_tokens is None else self.sampling.with_max_new_tokens(max_new_tokens)
         )
-        model = (
-            self.generation_copy.refresh()
-            if self.generation_copy
-            else self.accelerator.unwrap_model(self.model)
-        )
-        with unsharded_for_generation(model, self.accelerator):
-            return rollout.generate(model, prompt_ids, prompt_mask, config, args.generation_backend)
+        return self.generator.generate(prompt_ids, prompt_mask, sampling, self.state.global_step)
 
     def _advantages(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather every process's rewards, normalise per group, keep this process's slice."""

@@ -23,7 +23,7 @@ def make(tmp_path, **kwargs) -> GRPOConfig:
         ({"kl_estimator": "k4"}, ["kl_estimator"]),
         ({"scale_rewards": "local"}, ["scale_rewards"]),
         ({"importance_sampling_level": "group"}, ["importance_sampling_level"]),
-        ({"generation_backend": "vllm"}, ["generation_backend"]),
+        ({"generation_backend": "tensorrt"}, ["generation_backend"]),
         # 6 completions per round cannot hold whole groups of 4
         (
             {"per_device_train_batch_size": 6, "num_generations": 4},
