@@ -4,9 +4,6 @@ tests_vllm/ (run with the vLLM environment)."""
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +13,7 @@ from fake_vllm_server import FakeVLLMServer
 from peft import LoraConfig
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, free_port, length_reward, make_config
+from two_processes import launch_two_processes
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.checkpoints import STATE_FILE
@@ -245,31 +243,3 @@ def test_two_processes_share_a_server_with_different_numbers_of_turns(tmp_path):
         "What is 0 + 0" in t or "What is 1 + 1" in t for t in first_round[4:]
     )  # turn 2: process 0's rows
     assert (tmp_path / "trained-0").read_text() == (tmp_path / "trained-1").read_text() == "1"
-
-
-def launch_two_processes(script: Path, arguments: list[str], output: Path, timeout: float = 300) -> None:
-    """`accelerate launch` of `script` on 2 CPU processes over gloo; fails the test on an error or a hang."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        str(ROOT / "recipes" / "accelerate" / "cpu_ddp2.yaml"), "--main_process_port", str(free_port()),
-        "--num_cpu_threads_per_process", "1", str(script), *arguments,
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, _ = process.communicate()
-        pytest.fail(f"2 processes hung for {timeout} s:\n{out[-4000:]}")
-    (output / "launch.txt").write_text(out)
-    errors = [line for line in out.splitlines() if line.startswith("[rank")][-40:]
-    assert process.returncode == 0, "\n".join(errors[:20]) or out[-4000:]
