@@ -13,6 +13,21 @@ from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.tasks import arithmetic_dataset
 
 DATASET = arithmetic_dataset(num_train=32, num_test=4)["train"]
+# The tool tests force the first turn to be a call (vllm_structured_outputs_regex): a 135M model
+# rarely calls a tool of its own accord.
+TOOL_CALL = r'<tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>'
+
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], task_type="CAUSAL_LM")
 
 

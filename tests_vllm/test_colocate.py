@@ -6,6 +6,8 @@ import pytest
 import torch
 from conftest import shared_engine, vllm_settings
 from helpers import (
+    TOOL_CALL,
+    add,
     assert_sampler_logps_match,
     assert_sync_reaches_the_engine,
     make_trainer,
@@ -15,8 +17,6 @@ from grpo_hf.checkpoints import STATE_FILE
 from grpo_hf.config import GRPOConfig
 from grpo_hf.engine.vllm.colocate import ColocateGenerator
 from grpo_hf.models import load_model
-
-TOOL_CALL = r'<tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +74,6 @@ def test_lora_training_moves_logs_and_resumes(trainer, tmp_path):
 def test_two_turn_tool_episode(trainer, tmp_path):
     """Item e: the first turn is forced (vllm_structured_outputs_regex) to call the tool; its result
     enters the context; the second turn is generated after it; tool tokens are out of the loss."""
-
-    def add(a: int, b: int) -> int:
-        """Adds two numbers.
-
-        Args:
-            a: The first.
-            b: The second.
-        """
-        return a + b
-
     settings = vllm_settings(
         vllm_structured_outputs_regex=TOOL_CALL, max_tool_calling_iterations=1, max_completion_length=160
     )
