@@ -227,7 +227,9 @@ def test_two_processes_share_a_server_with_different_numbers_of_turns(tmp_path):
 
     fake = FakeVLLMServer(EOS, completion)
     try:
-        launch_two_processes(ROOT / "tests" / "server_worker.py", [fake.url, str(tmp_path)], tmp_path)
+        launch_two_processes(
+            ROOT / "tests" / "server_worker.py", [fake.url, str(tmp_path), "tools"], tmp_path
+        )
         first_round = [TOKENIZER.decode(body["prompt"]) for body in fake.completions()[:6]]
     finally:
         fake.close()
@@ -243,3 +245,19 @@ def test_two_processes_share_a_server_with_different_numbers_of_turns(tmp_path):
         "What is 0 + 0" in t or "What is 1 + 1" in t for t in first_round[4:]
     )  # turn 2: process 0's rows
     assert (tmp_path / "trained-0").read_text() == (tmp_path / "trained-1").read_text() == "1"
+
+
+@pytest.mark.parametrize("config", ["cpu_fsdp2.yaml", "cpu_zero3.yaml"], ids=["fsdp2", "zero3"])
+def test_sharded_weights_reach_the_server_whole(tmp_path, server, config):
+    """Full fine-tuning on 2 processes under FSDP2 / ZeRO-3: the first update the server loads is the
+    whole initial model (gathered from the shards: every name, full shapes, the exact values); the
+    second, after an optimizer step, has moved."""
+    launch_two_processes(
+        ROOT / "tests" / "server_worker.py", [server.url, str(tmp_path), "full"], tmp_path, config=config
+    )
+    first, second = server.loaded
+    initial = dict(tiny_llama().named_parameters())
+    assert set(first) == set(initial)
+    for name, value in initial.items():
+        assert torch.equal(first[name], value.detach()), name
+    assert any(not torch.equal(first[name], second[name]) for name in first)

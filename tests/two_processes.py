@@ -12,12 +12,15 @@ from trainer_helpers import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch_two_processes(script: Path, arguments: list[str], output: Path, timeout: float = 300) -> None:
-    """`accelerate launch` of `script` on 2 CPU processes over gloo; fails the test on an error or a hang."""
+def launch_two_processes(
+    script: Path, arguments: list[str], output: Path, timeout: float = 300, config: str = "cpu_ddp2.yaml"
+) -> None:
+    """`accelerate launch` of `script` on 2 CPU processes over gloo with recipes/accelerate/`config`;
+    fails the test on an error or a hang."""
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        str(ROOT / "recipes" / "accelerate" / "cpu_ddp2.yaml"), "--main_process_port", str(free_port()),
+        str(ROOT / "recipes" / "accelerate" / config), "--main_process_port", str(free_port()),
         "--num_cpu_threads_per_process", "1", str(script), *arguments,
     ]  # fmt: skip
     process = subprocess.Popen(
