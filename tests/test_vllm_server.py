@@ -261,3 +261,28 @@ def test_sharded_weights_reach_the_server_whole(tmp_path, server, config):
     for name, value in initial.items():
         assert torch.equal(first[name], value.detach()), name
     assert any(not torch.equal(first[name], second[name]) for name in first)
+
+
+def test_dynamic_sampling_extra_rounds_go_to_the_server_with_the_rounds_weights(tmp_path, server):
+    """A reward that is flat for every prompt but "1 + 1" leaves groups that teach nothing: extra
+    rounds are sampled through the server, with the weights of the round's first call (one update)."""
+
+    def flat_unless_one(completions, prompts, **kwargs):
+        return [
+            len(c[0]["content"]) / 10 if "1 + 1" in p[-1]["content"] else 1.0
+            for c, p in zip(completions, prompts, strict=True)
+        ]
+
+    trainer = GRPOTrainer(
+        model=tiny_llama(),
+        reward_funcs=flat_unless_one,
+        args=make_config(
+            tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, max_steps=1,
+            dynamic_sampling=True, max_dynamic_sampling_rounds=2,
+        ),
+        train_dataset=chat_dataset(),
+        processing_class=TOKENIZER,
+    )  # fmt: skip
+    trainer.train()
+    assert len(server.loaded) == 1 and len(server.completions()) > 2  # the first round had 2 prompts
+    assert trainer.state.log_history[0]["dynamic_sampling/extra_rounds"] >= 1

@@ -48,7 +48,6 @@ def vllm_settings(**overrides) -> dict:
             vllm_kv_cache_memory_bytes=KV_CACHE_BYTES,
             vllm_max_model_length=MAX_MODEL_LEN,
             vllm_enforce_eager=True,
-            vllm_engine_kwargs={"skip_tokenizer_init": False},  # structured outputs (the tool tests) need it
         )
         | overrides
     )

@@ -128,3 +128,17 @@ def assert_sync_reaches_the_engine(
     assert changed != original  # the perturbation is seen: the test can fail
     restore(model, saved)
     assert vllm_greedy(trainer, ids, mask, version=102) == original  # and the prefix cache was reset
+
+
+def assert_seeded(trainer: GRPOTrainer) -> None:
+    """Seeds: each request's seed comes from (seed, policy version, call, request), not from the
+    process's random state: the first call after the weights of a version were sent samples the
+    same completions again; the next call samples others."""
+    ids, mask = prompts(trainer, [6, 6, 7, 7])
+    trainer.generator.version = None
+    first = completions(trainer.generator.generate(ids, mask, trainer.sampling, policy_version=200))
+    second = completions(trainer.generator.generate(ids, mask, trainer.sampling, policy_version=200))
+    torch.manual_seed(1234)
+    trainer.generator.version = None  # the weights are sent again: call 1 of version 200 again
+    again = completions(trainer.generator.generate(ids, mask, trainer.sampling, policy_version=200))
+    assert again == first and second != first

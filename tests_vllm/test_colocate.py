@@ -9,6 +9,7 @@ from helpers import (
     TOOL_CALL,
     add,
     assert_sampler_logps_match,
+    assert_seeded,
     assert_sync_reaches_the_engine,
     make_trainer,
 )
@@ -33,6 +34,10 @@ def test_the_engine_is_in_process_and_training_keeps_its_threads(trainer):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampler_logps_equal_our_logprob_pass(trainer, temperature):
     assert_sampler_logps_match(trainer, temperature, version=int(temperature * 10))
+
+
+def test_runs_are_reproducible(trainer):
+    assert_seeded(trainer)
 
 
 def test_lora_sync_reaches_the_engine(trainer):

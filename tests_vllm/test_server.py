@@ -10,6 +10,7 @@ from helpers import (
     TOOL_CALL,
     add,
     assert_sampler_logps_match,
+    assert_seeded,
     assert_sync_reaches_the_engine,
     make_trainer,
     prompts,
@@ -35,6 +36,10 @@ def trainer(vllm_server, tmp_path_factory):
 def test_sampler_logps_equal_our_logprob_pass(trainer, temperature):
     assert isinstance(trainer.generator, ServerGenerator)
     assert_sampler_logps_match(trainer, temperature, version=int(temperature * 10))
+
+
+def test_runs_are_reproducible(trainer):
+    assert_seeded(trainer)
 
 
 def test_lora_sync_reaches_the_server(trainer):

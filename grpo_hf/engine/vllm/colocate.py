@@ -13,11 +13,14 @@ seeds) and each keeps its own.
 
 On a CPU, vLLM lowers torch to one thread for serving and then forbids `torch.set_num_threads`;
 the trainer's thread count and that function are restored once the engine has started, so
-training keeps its threads.
+training keeps its threads. The engine's teardown (when it is collected, at the latest at exit)
+destroys vLLM's process groups; after a script's own `destroy_process_group()` those are gone and
+vLLM's teardown would fail at exit, so then it is skipped (`_teardown_while_groups_exist`).
 """
 
 import os
 import socket
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -152,12 +155,11 @@ def start_engine(args, accelerator: Accelerator, model: nn.Module, tokenizer):
         * args.steps_per_generation,
         distributed_executor_backend="external_launcher",
         logprobs_mode="processed_logprobs",
-        skip_tokenizer_init=args.vllm_structured_outputs_regex is None,  # token ids in and out
     ) | (args.vllm_engine_kwargs or {})
     _launcher_environment(accelerator)
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     try:
-        return LLM(**settings)
+        return _teardown_while_groups_exist(LLM(**settings))
     except Exception as error:
         raise RuntimeError(
             f"vLLM could not start an engine for {path} ({type(error).__name__}: {error}). Check the vllm_* "
@@ -167,6 +169,23 @@ def start_engine(args, accelerator: Accelerator, model: nn.Module, tokenizer):
     finally:
         torch.set_num_threads = set_threads  # vLLM's CPU worker replaced it with a no-op
         torch.set_num_threads(threads)
+
+
+def _teardown_while_groups_exist(llm):
+    """Replace the in-process engine's teardown by one that runs only while torch.distributed is
+    still initialised (vLLM 0.32's `InprocClient`; other clients keep their own)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    client = llm.llm_engine.engine_core
+    if isinstance(client, InprocClient) and client._finalizer.detach() is not None:
+        core = client.engine_core
+
+        def teardown() -> None:
+            if torch.distributed.is_initialized():
+                core.shutdown()
+
+        client._finalizer = weakref.finalize(client, teardown)
+    return llm
 
 
 def _checkpoint(args, accelerator: Accelerator, model: nn.Module, tokenizer) -> str:
