@@ -93,6 +93,25 @@ def test_two_turn_tool_episode(trainer, tmp_path):
     assert tool.any(dim=1).all() and torch.all(scored.result.sampler_logps[tool] == 0)
 
 
+def test_generation_kwargs_reach_vllm_and_are_checked(trainer, tmp_path):
+    """generation_kwargs are SamplingParams keys with vLLM: min_tokens=6 (vLLM's name) keeps every
+    completion going 6 tokens before its EOS may come; an unknown key is refused before the engine
+    starts."""
+    import dataclasses
+
+    from helpers import completions, prompts
+
+    ids, mask = prompts(trainer, [8, 8, 9, 9])
+    settings = dataclasses.replace(trainer.sampling, generation_kwargs={"min_tokens": 6}, max_new_tokens=8)
+    rows = completions(
+        trainer.generator.generate(ids, mask, settings, policy_version=trainer.generator.version)
+    )
+    eos = trainer.sampling.eos_token_ids
+    assert all(len(row) >= 6 and not set(row[:6]) & set(eos) for row in rows)
+    with pytest.raises(ValueError, match="generation_kwargs.*SamplingParams"):
+        make_trainer(tmp_path, **vllm_settings(generation_kwargs={"num_beams": 2}))
+
+
 def test_sleep_mode_is_refused_on_a_cpu(tmp_path):
     """Item f: vLLM offers sleep mode on CUDA only; the setting is refused before any model work."""
     with pytest.raises(ValueError, match="vllm_enable_sleep_mode"):

@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from grpo_hf.config_generation import VLLM_INSTALL
-from grpo_hf.engine.generation import Generator, Sampling
+from grpo_hf.engine.generation import Generator, Sampling, sampling_settings
 from grpo_hf.engine.generation_copy import policy_weights
 from grpo_hf.engine.vllm.requests import (
     plan_prompts,
@@ -52,6 +52,7 @@ class ColocateGenerator(Generator):
     ):
         super().__init__(accelerator)
         self.args, self.policy = args, policy
+        _check_generation_kwargs(args)
         self.tp = args.vllm_tensor_parallel_size
         self.tp_group = _tensor_parallel_group(accelerator, self.tp) if self.tp > 1 else None
         self.llm = start_engine(args, accelerator, model, tokenizer)
@@ -118,6 +119,19 @@ class ColocateGenerator(Generator):
         per_row = samples_for_rows(per_prompt, slots)
         start = sum(len(member) for member in group[: self.accelerator.process_index % self.tp])
         return rollout_from_samples(prompt_ids, prompt_mask, per_row[start : start + len(rows)], sampling)
+
+
+def _check_generation_kwargs(args) -> None:
+    """generation_kwargs are vLLM SamplingParams keys here: checked before the engine starts."""
+    from vllm import SamplingParams
+
+    fields = sampling_fields(sampling_settings(args, [0], 0), 1, 0, None)
+    try:
+        SamplingParams(**fields)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"generation_kwargs={args.generation_kwargs!r}: with vLLM they are SamplingParams settings ({error})."
+        ) from error
 
 
 def start_engine(args, accelerator: Accelerator, model: nn.Module, tokenizer):
