@@ -286,3 +286,15 @@ def test_dynamic_sampling_extra_rounds_go_to_the_server_with_the_rounds_weights(
     trainer.train()
     assert len(server.loaded) == 1 and len(server.completions()) > 2  # the first round had 2 prompts
     assert trainer.state.log_history[0]["dynamic_sampling/extra_rounds"] >= 1
+
+
+def test_a_server_dying_under_two_processes_stops_both(tmp_path, server):
+    """Process 0 meets the dead server; the error reaches process 1 too (no process left waiting)."""
+    server.die_after = 4  # the first round's 4 prompts; the second round finds the server gone
+    start = time.monotonic()
+    out = launch_two_processes(
+        ROOT / "tests" / "server_worker.py", [server.url, str(tmp_path), "full"], tmp_path, check=False
+    )
+    assert time.monotonic() - start < 200
+    assert "[rank0]: ConnectionError: No answer from a vLLM server" in out
+    assert "[rank1]: ConnectionError: (from process 0) ConnectionError: No answer" in out

@@ -57,9 +57,12 @@ class ServerGenerator(Generator):
         if self.accelerator.is_main_process:
             try:
                 outcome = ("ok", work())
-            except tuple(_ERRORS.values()) as caught:
-                kind = next(name for name, error_type in _ERRORS.items() if isinstance(caught, error_type))
-                error, outcome = caught, ("error", kind, str(caught))
+            except Exception as caught:  # any failure reaches the peers: none waits for a broadcast
+                kinds = [name for name, error_type in _ERRORS.items() if isinstance(caught, error_type)]
+                error, outcome = (
+                    caught,
+                    ("error", (kinds or ["RuntimeError"])[0], f"{type(caught).__name__}: {caught}"),
+                )
         if self.accelerator.num_processes > 1:
             outcome = broadcast_object_list([outcome], from_process=0)[0]
         if error is not None:
