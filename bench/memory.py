@@ -113,6 +113,7 @@ def worker(args: argparse.Namespace) -> None:
         seed=0,
         precision=args.precision,
         side=args.side,
+        vllm=False,
     )
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix=f"memory-{args.side}-") as output_dir:

@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=2, help="Runs per side and precision, alternating the order."
     )
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="Both sides generate with vLLM colocate (use_vllm=True; a GPU run).",
+    )
     parser.add_argument("--timeout", type=float, default=3600, help="Seconds before a worker is stopped.")
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "latest.json"))
     args = parser.parse_args(argv)
@@ -145,6 +150,7 @@ def worker_command(args: argparse.Namespace, side: str, precision: str, output: 
         "--learning-rate", str(args.learning_rate), "--beta", str(args.beta), "--seed", str(args.seed),
         "--output", str(output),
     ]  # fmt: skip
+    command += ["--vllm"] if args.vllm else []
     return command + (["--threads", str(args.threads)] if args.threads is not None else [])
 
 

@@ -31,8 +31,9 @@ from grpo_hf.rewards import accuracy_reward
 from grpo_hf.tasks import arithmetic_dataset
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-# TRL's own profiler names its model.generate block "<TrainerClass>.transformers.generate".
-TRL_GENERATE_TIMER = ".transformers.generate"
+# TRL's own profiler names its generation block "<TrainerClass>.transformers.generate" (or
+# "<TrainerClass>.vLLM.generate" with use_vllm).
+TRL_GENERATE_TIMER = (".transformers.generate", ".vLLM.generate")
 
 
 class StepTimer(TrainerCallback):
@@ -62,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; default torch's.")
+    parser.add_argument("--vllm", action="store_true", help="Generate with vLLM colocate (use_vllm=True).")
     parser.add_argument("--output", required=True, help="Where to write this side's JSON report.")
     args = parser.parse_args(argv)
     if args.steps < 2:
@@ -93,14 +95,14 @@ def training_settings(args: argparse.Namespace, output_dir: str) -> dict:
         "max_steps": args.steps,
         "seed": args.seed,
         "bf16": args.precision == "bf16",
-        "use_cpu": True,
+        "use_cpu": not torch.cuda.is_available(),
         "gradient_checkpointing": False,
         "disable_dropout": True,
         "report_to": "none",
         "save_strategy": "no",
         "logging_steps": 1,
         "disable_tqdm": True,
-    }
+    } | ({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3} if args.vllm else {})
 
 
 def build_trainer(
@@ -176,7 +178,7 @@ def tokens_per_second(
     if len(generate_seconds) == len(tokens):
         return (
             [t / s for t, s in zip(tokens, generate_seconds, strict=True)],
-            f"completion tokens / TRL's own '*{TRL_GENERATE_TIMER}' profiling time",
+            f"completion tokens / TRL's own '*{'|'.join(TRL_GENERATE_TIMER)}' profiling time",
         )
     return (
         [t / s for t, s in zip(tokens, step_seconds, strict=True)],

@@ -14,6 +14,7 @@ import torch
 from transformers import TrainingArguments
 
 from grpo_hf.advantages import AGGREGATIONS
+from grpo_hf.config_generation import GenerationBackendArguments
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.decoding import DECODERS
 from grpo_hf.policy_terms import CLIPPED_LOSS_TYPES, POLICY_TERMS, loss_type_warnings
@@ -27,11 +28,20 @@ SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 REWARD_ERROR_POLICIES = ("raise", "retry", "zero")
 PRECISIONS = ("auto", "bf16", "fp32")
+GENERATION_BACKENDS = (*DECODERS, "vllm")
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
-    """Training arguments for `GRPOTrainer`; every GRPO field carries its help text below."""
+class GRPOConfig(TrainingArguments, GenerationBackendArguments):
+    """Training arguments for `GRPOTrainer`; every GRPO field carries its help text below, the
+    generation-backend ones (vLLM, generation_kwargs, ...) in `config_generation`."""
+
+    _VALID_DICT_FIELDS = [
+        *TrainingArguments._VALID_DICT_FIELDS,
+        "generation_kwargs",
+        "transformers_continuous_batching_config",
+        "vllm_engine_kwargs",
+    ]
 
     # Fields that also take a JSON object string (the command line and YAML configs pass strings).
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs", "chat_template_kwargs"]
@@ -420,7 +430,8 @@ class GRPOConfig(TrainingArguments):
         metadata={
             "help": "Which decoder generates: 'auto' (Llama's maths on the raw weights where it reproduces "
             "the model, the model's own forward elsewhere), 'llama' (that one, or an error), 'transformers' "
-            "(the model's own forward with a DynamicCache, any architecture)."
+            "(the model's own forward with a DynamicCache, any architecture), 'vllm' (vLLM, see vllm_mode; "
+            "use_vllm=True sets it)."
         },
     )
     generation_dtype: str | None = field(
@@ -483,6 +494,7 @@ class GRPOConfig(TrainingArguments):
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         self._check_choices()
         self._check_ranges()
+        self.check_generation_settings()  # first: it resolves use_vllm, which the loss checks read
         self.check_loss_combinations()
         self._resolve_generation_batch()
         if self.eval_strategy != "no" or self.do_eval:
@@ -572,7 +584,7 @@ class GRPOConfig(TrainingArguments):
             ("importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS),
             ("vllm_importance_sampling_mode", IS_MODES),
             ("reward_error_policy", REWARD_ERROR_POLICIES),
-            ("generation_backend", DECODERS),
+            ("generation_backend", GENERATION_BACKENDS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(

@@ -16,7 +16,9 @@ its messages (assistant turns, with `tool_calls` where they called, and tool mes
 
 Each turn is one generation call over the whole context: the decoder prefills it again rather
 than keeping the previous turn's KV cache (prefill is one batched pass; the decoding steps, one
-per token, dominate a turn's time).
+per token, dominate a turn's time). With a collective generator (a vLLM server, sharded weights)
+`any_active` keeps a process whose episodes have ended calling it, with no rows, until every
+process's episodes have.
 """
 
 import itertools
@@ -76,6 +78,7 @@ def tool_episodes(
     device: torch.device,
     chat_template_kwargs: dict | None = None,
     pad_to_multiple_of: int | None = None,
+    any_active: Callable[[bool], bool] | None = None,
 ) -> tuple[Rollout, list[list[dict]], list[Episode]]:
     """Chat prompts, each with its row's tools (`schemas[i]`) described (`tools.render_tool_prompt`),
     then `run_episodes`. `chat_template_kwargs` go to the chat template for the prompts and the tool
@@ -98,6 +101,7 @@ def tool_episodes(
         max_completion_length=max_completion_length,
         timeout=timeout,
         chat_template_kwargs=chat_template_kwargs,
+        any_active=any_active,
     )
 
 
@@ -113,25 +117,27 @@ def run_episodes(
     max_completion_length: int,
     timeout: float,
     chat_template_kwargs: dict | None = None,
+    any_active: Callable[[bool], bool] | None = None,
 ) -> tuple[Rollout, list[list[dict]], list[Episode]]:
     """Episodes for (B, P) left-padded prompts; `tools[i]` are row i's tools by name, `schemas[i]`
     their descriptions (for a `response_template` parser to type the arguments).
 
     Returns the rollout (completions right-padded, with `tool_mask`), each episode's messages, and
-    the episodes (their tool-call counts).
+    the episodes (their tool-call counts). `any_active(this process has episodes going)` says whether
+    any process has (for a collective `generate_turn`); None: this process decides alone.
     """
     render, parse = ToolResultRenderer(tokenizer, chat_template_kwargs), TurnParser(tokenizer)
     schemas = schemas or [[] for _ in tools]
     episodes = [Episode(ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
     for turn in itertools.count():
         active = [i for i, episode in enumerate(episodes) if not episode.done]
-        if not active:
+        if not (any_active(bool(active)) if any_active is not None else active):
             break
         budgets = [max_completion_length - len(episodes[i].ids) for i in active]
         ids, mask = left_padded(
             [episodes[i].context for i in active], tokenizer.pad_token_id, prompt_ids.device
         )
-        result = generate_turn(ids, mask, max(budgets))
+        result = generate_turn(ids, mask, max(budgets, default=1))
         calls = []
         for row, (i, budget) in enumerate(zip(active, budgets, strict=True)):
             last = turn == max_iterations

@@ -14,12 +14,19 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
     LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
 
 from grpo_hf.engine.decoding import decoder_for
@@ -118,8 +125,8 @@ def left_padded(
     rows: list[list[int]], pad_token_id: int, device: torch.device, multiple: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token id lists as (B, W) ids left-padded with `pad_token_id` and their (B, W) mask; W is the
-    longest row, rounded up to a multiple of `multiple` if given."""
-    width = max(len(tokens) for tokens in rows)
+    longest row (0 for none), rounded up to a multiple of `multiple` if given."""
+    width = max((len(tokens) for tokens in rows), default=0)
     width = width if multiple is None else -(-width // multiple) * multiple
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -128,6 +135,13 @@ def left_padded(
             ids[row, width - len(tokens) :] = torch.tensor(tokens)
             mask[row, width - len(tokens) :] = 1
     return ids.to(device), mask.to(device)
+
+
+def right_padded(rows: list[list], fill: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Lists of per-token values (ids, log-probs) as one (B, W) tensor, right-padded with `fill`."""
+    width = max((len(row) for row in rows), default=0)
+    padded = [list(row) + [fill] * (width - len(row)) for row in rows]
+    return torch.tensor(padded, dtype=dtype, device=device).view(len(rows), width)  # (B, W), also B = 0
 
 
 def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -169,13 +183,15 @@ def generation_config(
     repetition_penalty: float,
     pad_token_id: int,
     eos_token_ids: list[int],
+    generation_kwargs: dict | None = None,
 ) -> GenerationConfig:
-    """The sampling settings of a GRPO rollout as a `GenerationConfig`.
+    """The sampling settings of a GRPO rollout as a `GenerationConfig`; `generation_kwargs` (TRL's
+    setting: more GenerationConfig keys) override them where they clash.
 
     Every knob is explicit (top_k 0 and min_p 0.0 mean off): handed to `model.generate`, a None
     would take transformers' default (top_k 50) or the model's own generation_config instead.
     """
-    return GenerationConfig(
+    settings = dict(
         do_sample=True,
         max_new_tokens=max_completion_length,
         temperature=temperature,
@@ -185,15 +201,41 @@ def generation_config(
         repetition_penalty=repetition_penalty,
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_ids,
+        disable_compile=True,  # as TRL: no torch.compile of the model inside a training run
     )
+    return GenerationConfig(**(settings | (generation_kwargs or {})))
 
 
-def logits_processors(config: GenerationConfig) -> LogitsProcessorList:
-    """The config's sampling knobs, applied in `generate`'s order: penalty, then the warpers."""
+# GenerationConfig keys our decoding loop honours (`logits_processors` and the loop's own); any
+# other key in generation_kwargs (num_beams, stop_strings, ...) needs transformers' `generate`.
+DECODER_KEYS = frozenset(
+    {
+        "do_sample", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p",
+        "epsilon_cutoff", "eta_cutoff", "repetition_penalty", "no_repeat_ngram_size", "bad_words_ids",
+        "suppress_tokens", "min_new_tokens", "pad_token_id", "eos_token_id", "bos_token_id", "use_cache",
+        "disable_compile",
+    }
+)  # fmt: skip
+
+
+def logits_processors(
+    config: GenerationConfig, prompt_width: int = 0, device: torch.device | str = "cpu"
+) -> LogitsProcessorList:
+    """The config's sampling knobs, applied in `generate`'s order: penalties and token bans, then
+    the warpers. `prompt_width`: the (left-padded) prompt columns of the sequences the processors see."""
     processors = LogitsProcessorList()
+    eos = config.eos_token_id
     # Unset knobs are None in a GenerationConfig; None and the neutral value both mean "off".
     if config.repetition_penalty not in (None, 1.0):
         processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+    if config.no_repeat_ngram_size:
+        processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
+    if config.bad_words_ids is not None:
+        processors.append(NoBadWordsLogitsProcessor(config.bad_words_ids, eos))
+    if config.min_new_tokens:
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_width, config.min_new_tokens, eos))
+    if config.suppress_tokens is not None:
+        processors.append(SuppressTokensLogitsProcessor(config.suppress_tokens))
     if not config.do_sample:
         return processors
     if config.temperature not in (None, 1.0):
@@ -204,6 +246,12 @@ def logits_processors(config: GenerationConfig) -> LogitsProcessorList:
         processors.append(TopPLogitsWarper(config.top_p))
     if config.min_p:
         processors.append(MinPLogitsWarper(config.min_p))
+    if config.typical_p not in (None, 1.0):
+        processors.append(TypicalLogitsWarper(mass=config.typical_p))
+    if config.epsilon_cutoff:
+        processors.append(EpsilonLogitsWarper(epsilon=config.epsilon_cutoff))
+    if config.eta_cutoff:
+        processors.append(EtaLogitsWarper(epsilon=config.eta_cutoff, device=device))
     return processors
 
 
@@ -286,7 +334,7 @@ def _decode(
     """
     decoder = decoder_for(model, config.max_new_tokens, backend)
     logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
-    processors = logits_processors(config)
+    processors = logits_processors(config, prompt_ids.shape[1], prompt_ids.device)
     eos = torch.tensor(
         config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id],
         device=prompt_ids.device,

@@ -62,7 +62,7 @@ from grpo_hf.data import (
 )
 from grpo_hf.dynamic_sampling import ScoredRound, gather_round, sample_teaching_groups
 from grpo_hf.engine import native_bf16
-from grpo_hf.engine.generation_copy import GenerationCopy
+from grpo_hf.engine.generation import build_generator, sampling_settings
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.entropy_control import EntropyCoefficient
 from grpo_hf.environments import (
@@ -87,8 +87,9 @@ from grpo_hf.models import (
 )
 from grpo_hf.moe import RouterAuxLoss
 from grpo_hf.multi_turn import episode_counts, tool_episodes, tool_metrics
-from grpo_hf.reference import build_reference, is_peft_model, mix_into_reference, reference_context
+from grpo_hf.reference import build_reference, mix_into_reference, reference_context
 from grpo_hf.reward_outputs import RewardLogs
+from grpo_hf.rollout_func import RolloutFunc, call_rollout_func
 from grpo_hf.sampler_correction import sampler_correction, sampler_metrics
 from grpo_hf.scoring import (
     RewardFunc,
@@ -98,12 +99,7 @@ from grpo_hf.scoring import (
     reward_tokenizers,
     score_completions,
 )
-from grpo_hf.sharding import (
-    parameters_for_mixing,
-    prepare_reference,
-    unsharded_for_generation,
-    zero3_partitioned,
-)
+from grpo_hf.sharding import parameters_for_mixing, prepare_reference, zero3_partitioned
 from grpo_hf.streaming import extra_prompt_source, group_stream, read_in_process
 from grpo_hf.tools import Toolbox, check_tool_call_format
 
@@ -135,6 +131,7 @@ class GRPOTrainer(Trainer):
         peft_config: PeftConfig | None = None,
         ref_model: str | PreTrainedModel | None = None,
         tools: list[Callable] | None = None,
+        rollout_func: RolloutFunc | None = None,
         environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None = None,
         quantization_config=None,
         **kwargs,
@@ -158,6 +155,11 @@ class GRPOTrainer(Trainer):
                     pool.check_dataset(dataset, name)
         toolbox = Toolbox(tools, pool.probes if pool else None)
         self.toolbox, self.tools = (toolbox if toolbox.tools else None), toolbox.tools
+        if rollout_func is not None and self.toolbox is not None:
+            raise ValueError(
+                "rollout_func and tools / environment_factory both make the completions; pass one."
+            )
+        self.rollout_func = rollout_func
         self.environments: list | None = None  # the environments of the latest rollouts (TRL's attribute)
         init_kwargs = model_init_kwargs(args, quantization_config)
         self.reward_funcs = reward_functions(
@@ -203,7 +205,16 @@ class GRPOTrainer(Trainer):
             if isinstance(reward, RewardModel):
                 reward.model = self.accelerator.prepare_model(reward.model, evaluation_mode=True)
         self._log_precision()
-        self.generation_copy = self._build_generation_copy()
+        self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
+        self.sampling = sampling_settings(args, self.eos_token_ids, processing_class.pad_token_id)
+        self.generator = build_generator(
+            args,
+            self.accelerator,
+            self.model,
+            lambda: self.accelerator.unwrap_model(self.model),
+            processing_class,
+            sharded=self.is_fsdp_enabled or self.is_deepspeed_enabled,
+        )
         self.reward_weights = torch.tensor(
             weights + [1.0] * (len(self.reward_funcs) - len(weights)), dtype=torch.float32
         )
@@ -214,7 +225,6 @@ class GRPOTrainer(Trainer):
             args, lambda t: self.accelerator.reduce(t, "sum"), self.record
         )
         self.add_callback(self.entropy_control)
-        self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
         self._micro_step = 0
         self._buffer: list[dict] = []
         self._extra_prompts = 0  # position in dynamic sampling's extra prompt stream (checkpointed)
@@ -311,27 +321,6 @@ class GRPOTrainer(Trainer):
                 line.split(", ", 1)[1],
             )
 
-    def _build_generation_copy(self) -> GenerationCopy | None:
-        """A plain copy to sample from: in generation_dtype (or bf16 under --bf16), and with LoRA always.
-
-        With LoRA the copy holds the adapters merged, so a Llama decodes through `LlamaDecoder` on
-        plain weights instead of the PEFT model's forward (a float32 round of the bench workload on an
-        AVX2 CPU: see README); it costs one more copy of the weights in that dtype.
-        """
-        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
-        if sharded and self.args.generation_dtype is not None:
-            raise ValueError(
-                "generation_dtype needs the whole model on each process; unset it under FSDP/DeepSpeed."
-            )
-        if sharded:
-            return None
-        model_dtype = next(self.model.parameters()).dtype
-        name = self.args.generation_dtype or ("bfloat16" if self.args.bf16 else None)
-        dtype = getattr(torch, name) if name else model_dtype
-        if dtype == model_dtype and not is_peft_model(self.model):
-            return None
-        return GenerationCopy(self.model, dtype)
-
     # ---- Generation round ---------------------------------------------------------------------
 
     def _prepare_inputs(self, inputs: list[dict]) -> dict[str, torch.Tensor]:
@@ -417,7 +406,12 @@ class GRPOTrainer(Trainer):
         if self.environment_pool is not None:
             self.environments, names, prompts = self.environment_pool.start_episodes(rows)
             columns["environments"] = self.environments
-        if self.toolbox is not None:
+        if self.rollout_func is not None:
+            result, completions, extra = call_rollout_func(
+                self.rollout_func, prompts, self, self.processing_class, self.eos_token_ids, device
+            )
+            columns.update(extra)
+        elif self.toolbox is not None:
             result, completions = self._tool_episodes(prompts, names)
         else:
             prompt_ids, prompt_mask = rollout.tokenize_prompts(
@@ -463,6 +457,7 @@ class GRPOTrainer(Trainer):
             device=self.accelerator.device,
             chat_template_kwargs=args.chat_template_kwargs,
             pad_to_multiple_of=args.pad_to_multiple_of,
+            any_active=self.generator.any_active,
         )
         if self.environments is not None:  # an abandoned call may still be running on its environment
             self.environment_pool.discard(
@@ -538,25 +533,11 @@ class GRPOTrainer(Trainer):
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
     ) -> rollout.Rollout:
         """Sample one completion per row, of at most `max_new_tokens` (default max_completion_length)
-        tokens. Tests override this to feed fixed completions."""
-        args = self.args
-        config = rollout.generation_config(
-            max_completion_length=max_new_tokens or args.max_completion_length,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            pad_token_id=self.processing_class.pad_token_id,
-            eos_token_ids=self.eos_token_ids,
+        tokens, from the policy of this optimizer step. Tests override this to feed fixed completions."""
+        sampling = (
+            self.sampling if max_new_tokens is None else self.sampling.with_max_new_tokens(max_new_tokens)
         )
-        model = (
-            self.generation_copy.refresh()
-            if self.generation_copy
-            else self.accelerator.unwrap_model(self.model)
-        )
-        with unsharded_for_generation(model, self.accelerator, args.ds3_gather_for_generation) as all_done:
-            return rollout.generate(model, prompt_ids, prompt_mask, config, args.generation_backend, all_done)
+        return self.generator.generate(prompt_ids, prompt_mask, sampling, self.state.global_step)
 
     def _advantages(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every process's rewards (N, F), their aggregate (N,) and advantages (N,) (`advantages`)."""

@@ -20,6 +20,7 @@ For each scenario the main process writes to OUTPUT_DIR/SCENARIO/:
 - `train/`: the trainer's output_dir (checkpoints of the scenarios that save).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -199,7 +200,8 @@ class UnevenStopTrainer(SamplingTrainer):
 
     def generate_completions(self, prompt_ids, prompt_mask):
         if self.accelerator.is_main_process:
-            self.eos_token_ids = list(range(self.model.config.vocab_size))
+            every_token = list(range(self.model.config.vocab_size))
+            self.sampling = dataclasses.replace(self.sampling, eos_token_ids=every_token)
         root = self.accelerator.unwrap_model(self.model)
 
         def count(module, args):

@@ -124,3 +124,28 @@ def test_breakdown_counts_each_matmul_in_its_phase():
         "gflop": 0.0,
         "matmul_gflops": 0.0,
     }
+
+
+@pytest.mark.slow
+def test_vllm_backend_bench_runs_our_side(tmp_path):
+    """bench/vllm_backend.py without vLLM (its vLLM side runs in tests_vllm/test_bench_vllm.py)."""
+    bench = bench_module("vllm_backend")
+    output = tmp_path / "vllm_backend.json"
+    argv = [
+        "--sides",
+        "ours",
+        "--prompts",
+        "1",
+        "--num-generations",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--rounds",
+        "2",
+    ]
+    report = bench.main([*argv, "--output", str(output)])
+    assert json.loads(output.read_text()) == report
+    ours = report["ours"]
+    assert len(ours["syncs"]) == len(ours["tokens_per_second_per_call"]) == 2  # the first call not timed
+    assert ours["sync_seconds"] == round(statistics.median(ours["syncs"]), 3) and ours["startup_seconds"] > 0
+    assert ours["tokens_per_second"] > 0 and report["machine"]["cores"] >= 1

@@ -26,7 +26,7 @@ def make(tmp_path, **kwargs) -> GRPOConfig:
         ({"num_completions_to_print": -1}, ["num_completions_to_print"]),
         ({"log_completions_hub_repo": "me/completions"}, ["log_completions_hub_repo", "log_completions"]),
         ({"importance_sampling_level": "group"}, ["importance_sampling_level"]),
-        ({"generation_backend": "vllm"}, ["generation_backend"]),
+        ({"generation_backend": "tensorrt"}, ["generation_backend"]),
         ({"num_generations_eval": 0}, ["num_generations_eval"]),
         ({"router_aux_loss_coef": -0.1}, ["router_aux_loss_coef"]),
         ({"model_init_kwargs": "dtype=bfloat16"}, ["model_init_kwargs", "JSON"]),

@@ -90,7 +90,7 @@ def test_bf16_training_generates_from_the_copy_and_keeps_the_base_frozen(tmp_pat
         processing_class=tiny_tokenizer(),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
-    assert trainer.generation_copy is not None
+    assert trainer.generator.copy is not None
     trainer.train()
     for name, param in trainer.model.get_base_model().named_parameters():
         if "lora_" not in name:
@@ -143,7 +143,7 @@ def test_float32_lora_training_samples_from_a_merged_float32_copy(tmp_path):
         train_dataset=chat_dataset(),
         processing_class=tiny_tokenizer(),
     )
-    copy = trainer.generation_copy
+    copy = trainer.generator.copy
     assert copy is not None and next(copy.model.parameters()).dtype == torch.float32
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     mask = torch.ones_like(ids)

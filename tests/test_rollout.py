@@ -155,8 +155,22 @@ def test_long_prompts_keep_their_last_tokens(caplog):
         {"min_p": 0.2},
         {"repetition_penalty": 1.5},
         {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.3},
+        # generation_kwargs: GenerationConfig keys our decoding loop implements too
+        {"generation_kwargs": {"no_repeat_ngram_size": 2, "suppress_tokens": [5, 6], "min_new_tokens": 3}},
+        {"generation_kwargs": {"bad_words_ids": [[7], [8, 9]], "typical_p": 0.9}},
+        {"generation_kwargs": {"epsilon_cutoff": 3e-3}},
+        {"generation_kwargs": {"eta_cutoff": 3e-3, "top_p": 0.7}},  # overrides top_p
     ],
-    ids=["top_p", "min_p", "repetition_penalty", "all"],
+    ids=[
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "all",
+        "ngram_suppress_min_new",
+        "bad_words_typical",
+        "epsilon",
+        "eta",
+    ],
 )
 def test_sampling_knobs_transform_logits_as_model_generate_does(knobs):
     """Our processors on the raw logits of each prefix equal the scores `model.generate` reports
@@ -180,7 +194,7 @@ def test_sampling_knobs_transform_logits_as_model_generate_does(knobs):
         input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
         output_scores=True, return_dict_in_generate=True,
     )  # fmt: skip
-    processors = rollout.logits_processors(config)
+    processors = rollout.logits_processors(config, prompt_width=ids.shape[1])
     cut = 0
     for t, expected in enumerate(out.scores):  # (B, V) each
         prefix = out.sequences[:, : ids.shape[1] + t]
@@ -191,7 +205,7 @@ def test_sampling_knobs_transform_logits_as_model_generate_does(knobs):
         finite = torch.isfinite(expected)
         torch.testing.assert_close(ours[finite], expected[finite].float(), rtol=1e-4, atol=1e-4)
         cut += int(torch.isinf(expected).any())
-    if {"top_p", "min_p"} & knobs.keys():
+    if {"top_p", "min_p", "generation_kwargs"} & knobs.keys():
         assert cut > 0  # the knob removed tokens: the support check was not vacuous
 
 

@@ -7,7 +7,8 @@ so decoding pays nothing for them; the policy itself is never merged and unmerge
 weights stay bit-identical. `refresh()` writes the current policy weights into the copy once per
 generation round: merged LoRA layers, and every other parameter that trains (PEFT's
 `modules_to_save`, such as `lm_head` or the embeddings, and biases with `bias="all"`). Only the sampling distribution is rounded: log-probs for the loss still come
-from the policy, as when a separate inference engine generates.
+from the policy, as when a separate inference engine generates. `policy_weights` is the one place
+that names the policy's weights as the plain model does (LoRA merged), for this copy and for vLLM.
 
 A Llama-architecture copy decodes through `decoding.LlamaDecoder`. Other models decode through
 their own forward, where the attention of one query token is `attention.grouped_attention`
@@ -16,6 +17,7 @@ their own forward, where the attention of one query token is `attention.grouped_
 
 import copy
 import re
+from collections.abc import Iterator
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -58,59 +60,67 @@ AttentionInterface.register(DECODE_ATTENTION, decode_attention)
 AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
 
 
+def plain_name(name: str) -> str:
+    """A PEFT base-model parameter's name in the plain model: `.base_layer` and the active
+    `modules_to_save` copy unwrapped (`lm_head.modules_to_save.default.weight` -> `lm_head.weight`)."""
+    return re.sub(r"\.modules_to_save\.[^.]+\.", ".", name.replace(".base_layer.", "."))
+
+
+def policy_weights(policy: nn.Module, trained_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights as the plain model names them (what `from_pretrained` and vLLM's loader
+    read), LoRA merged: W + sum over active adapters of s * B A. A tensor shared by several names
+    (tied embeddings) comes once. `trained_only`: only what training can change (merged LoRA layers
+    and trainable parameters); else everything, frozen originals of `modules_to_save` left out.
+    Parameters must be whole (`sharding.unsharded_for_generation` around a sharded model)."""
+    if not is_peft_model(policy):
+        for name, param in policy.named_parameters():
+            if param.requires_grad or not trained_only:
+                yield name, param.detach()
+        return
+    base = policy.get_base_model()
+    lora = {f"{name}.base_layer.weight": m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for name, param in base.named_parameters():
+        if "lora_" in name or ".original_module." in name:
+            continue
+        if name in lora:
+            layer, weight = lora[name], param.detach()
+            for adapter in layer.active_adapters:
+                weight = weight + layer.get_delta_weight(adapter)
+            yield plain_name(name), weight
+        elif param.requires_grad or not trained_only:
+            yield plain_name(name), param.detach()
+
+
 class GenerationCopy:
     """The policy's weights in `dtype`, as a plain model for `rollout.generate`."""
 
-    def __init__(self, policy: nn.Module, dtype: torch.dtype):
+    def __init__(self, policy: nn.Module, dtype: torch.dtype, decode_attention: bool = True):
+        """`decode_attention`: one query token's attention in float32 (`decode_attention`) for our
+        decoding loop; False keeps the model's own (transformers' continuous batching needs it)."""
         self.policy = policy
-        if is_peft_model(policy):
-            self.model = copy.deepcopy(policy).merge_and_unload()
-            self._lora_layers = {
-                name: module
-                for name, module in policy.get_base_model().named_modules()
-                if isinstance(module, LoraLayer)
-            }
-        else:
-            self.model = copy.deepcopy(policy)
-            self._lora_layers = {}
+        self._peft = is_peft_model(policy)
+        self.model = copy.deepcopy(policy).merge_and_unload() if self._peft else copy.deepcopy(policy)
         self.model.to(dtype).eval().requires_grad_(False)
         for module in self.model.modules():  # cast_lm_head_to_fp32: the sampler's head stays float32 too
             if isinstance(module, Float32Head):
                 module.float()
-        if getattr(self.model, "_supports_attention_backend", False):
+        if decode_attention and getattr(self.model, "_supports_attention_backend", False):
             self.model.set_attn_implementation(DECODE_ATTENTION)
-        self._targets = dict(self.model.named_modules())
-        self._trained = self._trained_outside_adapters() if self._lora_layers else []
-
-    def _trained_outside_adapters(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        """(policy parameter, copy parameter) for every trainable parameter that is not a LoRA
-        adapter: `modules_to_save` copies and trained biases, found by their name once unwrapped."""
-        targets = dict(self.model.named_parameters())
-        pairs = []
-        for name, param in self.policy.get_base_model().named_parameters():
-            if not param.requires_grad or "lora_" in name:
-                continue
-            plain = re.sub(r"\.modules_to_save\.[^.]+\.", ".", name.replace(".base_layer.", "."))
-            if plain not in targets:
-                raise ValueError(
-                    f"The generation copy cannot follow the trained parameter {name!r} (no {plain!r} in the "
-                    "merged model); unset generation_dtype (and --bf16) to generate from the policy itself."
-                )
-            pairs.append((param, targets[plain]))
-        return pairs
+        self._targets = dict(self.model.named_parameters())
+        missing = [name for name, _ in policy_weights(policy, trained_only=True) if name not in self._targets]
+        if self._peft and missing:
+            raise ValueError(
+                f"The generation copy cannot follow the trained parameter {missing[0]!r} (not in the merged "
+                "model); unset generation_dtype (and --bf16) to generate from the policy itself."
+            )
 
     @torch.no_grad()
     def refresh(self) -> nn.Module:
         """Copy the policy's current weights (LoRA merged) into the copy and return it."""
-        if not self._lora_layers:
+        if not self._peft:
             for target, source in zip(self.model.parameters(), self.policy.parameters(), strict=True):
                 target.copy_(source)
             return self.model
-        for name, layer in self._lora_layers.items():
-            weight = layer.get_base_layer().weight
-            for adapter in layer.active_adapters:
-                weight = weight + layer.get_delta_weight(adapter)
-            self._targets[name].weight.copy_(weight)
-        for source, target in self._trained:
-            target.copy_(source)
+        for name, weight in policy_weights(self.policy, trained_only=True):
+            self._targets[name].copy_(weight)
         return self.model

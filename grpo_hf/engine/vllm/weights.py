@@ -1,0 +1,110 @@
+"""The policy's weights as vLLM's loader reads them, and the two ways they reach a server.
+
+`vllm_weights`: `generation_copy.policy_weights` (plain names, LoRA merged, `modules_to_save` and
+trained biases under the names of the layers they replace, a tied embedding once), refusing an LM
+head that trains apart from the embedding it is tied to (vLLM's model ties them and would drop it).
+The weights must be whole: the caller holds `sharding.unsharded_for_generation` around it.
+
+Server mode sends them either as files (`FileWeights`: a safetensors file in a folder the server
+reads, then `/collective_rpc reload_weights`; works between any two hosts that share a folder,
+no NCCL) or over NCCL (`NcclWeights`: vLLM's weight-transfer API, trainer process 0 broadcasting
+to the server's workers; CUDA only, so it was not run on the CPU machines this was built on).
+"""
+
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import torch
+from torch import nn
+
+from grpo_hf.engine.generation_copy import policy_weights
+from grpo_hf.engine.vllm.client import VLLMClient
+from grpo_hf.reference import is_peft_model
+
+
+def vllm_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the names vLLM's `load_weights` takes."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    tied = base.config.get_text_config().tie_word_embeddings
+    for name, weight in policy_weights(model):
+        if tied and name == "lm_head.weight":
+            raise ValueError(
+                "The LM head trains apart from the input embedding it is tied to (e.g. LoRA "
+                "modules_to_save=['lm_head']); vLLM's copy of the model ties them and would ignore it. Train "
+                "both or neither, or set use_vllm=False."
+            )
+        yield name, weight
+
+
+class FileWeights:
+    """Weights as one safetensors file per update in `folder`, loaded by the server's reload_weights."""
+
+    def __init__(self, client: VLLMClient, folder: str, dtype: torch.dtype):
+        self.client, self.folder, self.dtype = client, os.path.abspath(folder), dtype
+        self._current: str | None = None
+        self._updates = 0
+
+    def send(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save_file
+
+        self._updates += 1
+        path = os.path.join(self.folder, f"update-{self._updates}")
+        os.makedirs(path + ".tmp", exist_ok=True)
+        tensors = {name: weight.to("cpu", self.dtype).contiguous() for name, weight in weights}
+        save_file(tensors, os.path.join(path + ".tmp", "model.safetensors"))
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(path + ".tmp", path)
+        self.client.reload_weights(path)
+        if self._current not in (None, path):
+            shutil.rmtree(self._current, ignore_errors=True)  # the server holds the new weights now
+        self._current = path
+
+
+class NcclWeights:
+    """Weights over NCCL with vLLM's weight-transfer API (server started with
+    --weight-transfer-config '{"backend": "nccl"}'); process 0 is the sender."""
+
+    def __init__(self, client: VLLMClient, group_port: int):
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        self.client, self.group_port = client, group_port
+        self.sync_client = HTTPVLLMWeightSyncClient(client.base_url, timeout=client.timeout)
+        self.engine = None
+
+    def send(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        tensors = [(name, weight.to("cuda")) for name, weight in weights]
+
+        class Source(WeightSource):
+            def metadata(self) -> list[ParamMeta]:
+                return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in tensors]
+
+            def __iter__(self):
+                return iter(tensors)
+
+        if self.engine is None:
+            info = NCCLTrainerInitInfo(
+                master_address=_address_towards(self.client.base_url),
+                master_port=self.group_port,
+                world_size=self.client.world_size() + 1,
+                rank=0,
+            )
+            self.engine = WeightTransferTrainerFactory.trainer_init(
+                info, client=self.sync_client, source=Source()
+            )
+        self.engine.source = Source()
+        self.engine.send_weights()
+
+
+def _address_towards(base_url: str) -> str:
+    """This machine's address on the route to the server (for the NCCL rendezvous)."""
+    url = urlparse(base_url)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((url.hostname, url.port or 80))  # UDP: no packet is sent
+        return probe.getsockname()[0]

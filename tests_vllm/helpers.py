@@ -1,0 +1,144 @@
+"""What the colocate and server tests share: a SmolLM2 + LoRA trainer, prompts, our decoder's greedy
+completions, weights perturbed in place, and the checks of items a (log-probs) and b (sync)."""
+
+import dataclasses
+
+import torch
+from conftest import model_path
+from peft import LoraConfig
+
+from grpo_hf import GRPOConfig, GRPOTrainer, rollout
+from grpo_hf.engine.generation_copy import GenerationCopy
+from grpo_hf.engine.logprobs import completion_logps
+from grpo_hf.tasks import arithmetic_dataset
+
+DATASET = arithmetic_dataset(num_train=32, num_test=4)["train"]
+# The tool tests force the first turn to be a call (vllm_structured_outputs_regex): a 135M model
+# rarely calls a tool of its own accord.
+TOOL_CALL = r'<tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>'
+
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+LORA = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], task_type="CAUSAL_LM")
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    return [len(c[0]["content"]) / 10 for c in completions]
+
+
+def make_trainer(tmp_path, peft: bool = True, tools=None, **settings) -> GRPOTrainer:
+    args = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=12,
+        max_steps=1, learning_rate=1e-3, beta=0.0, report_to=[], use_cpu=True, save_strategy="no", seed=0,
+        disable_tqdm=True, logging_steps=1,
+    ) | settings  # fmt: skip
+    return GRPOTrainer(
+        model=model_path(),
+        reward_funcs=length_reward,
+        args=GRPOConfig(**args),
+        train_dataset=DATASET,
+        peft_config=LORA if peft else None,
+        tools=tools,
+    )
+
+
+def prompts(trainer: GRPOTrainer, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    texts = [rollout.render_prompt(trainer.processing_class, DATASET[i]["prompt"]) for i in rows]
+    return rollout.tokenize_prompts(trainer.processing_class, texts, None, torch.device("cpu"))
+
+
+def completions(result: rollout.Rollout) -> list[list[int]]:
+    return [
+        ids[mask.bool()].tolist()
+        for ids, mask in zip(result.completion_ids, result.completion_mask, strict=True)
+    ]
+
+
+def vllm_greedy(trainer: GRPOTrainer, ids, mask, version: int) -> list[list[int]]:
+    """vLLM's greedy completions after the weights of policy `version` were sent."""
+    greedy = dataclasses.replace(trainer.sampling, generation_kwargs={"temperature": 0.0})
+    return completions(trainer.generator.generate(ids, mask, greedy, policy_version=version))
+
+
+def our_greedy(trainer: GRPOTrainer, model, ids, mask) -> list[list[int]]:
+    """Our decoder's greedy completions of `model` (LoRA merged into a float32 copy)."""
+    plain = GenerationCopy(model, torch.float32).refresh()
+    config = dataclasses.replace(trainer.sampling, generation_kwargs={"do_sample": False}).generation_config()
+    return completions(rollout.generate(plain, ids, mask, config))
+
+
+@torch.no_grad()
+def perturb(
+    model: torch.nn.Module, names: tuple[str, ...], scale: float, seed: int
+) -> dict[str, torch.Tensor]:
+    """Add noise to the parameters whose name contains one of `names`; return the originals."""
+    generator = torch.Generator().manual_seed(seed)
+    saved = {}
+    for name, param in model.named_parameters():
+        if any(part in name for part in names):
+            saved[name] = param.detach().clone()
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+    assert saved, names
+    return saved
+
+
+@torch.no_grad()
+def restore(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    for name, param in model.named_parameters():
+        if name in saved:
+            param.copy_(saved[name])
+
+
+def assert_sampler_logps_match(trainer: GRPOTrainer, temperature: float, version: int) -> None:
+    """Item a: the sampler's log-probs of vLLM's completions equal our log-prob pass of the same
+    tokens at the same temperature, within 1e-3 on every completion token."""
+    ids, mask = prompts(trainer, [0, 0, 1, 1, 2, 2])
+    sampling = dataclasses.replace(trainer.sampling, temperature=temperature)
+    result = trainer.generator.generate(ids, mask, sampling, policy_version=version)
+    ours, _ = completion_logps(
+        trainer.model, result.input_ids, result.attention_mask, result.completion_ids.shape[1], temperature
+    )  # (B, C)
+    active = result.completion_mask.bool()
+    assert active.sum() >= 12
+    gap = (result.sampler_logps - ours.detach()).abs()[active]
+    assert gap.max() < 1e-3, f"max |vLLM - ours| = {gap.max():.2e} at T = {temperature}"
+    assert torch.all(result.sampler_logps[~active] == 0)
+
+
+def assert_sync_reaches_the_engine(
+    trainer: GRPOTrainer, model: torch.nn.Module, names: tuple[str, ...]
+) -> None:
+    """Item b: after a sync, vLLM's greedy completions equal our decoder's on the updated policy; after
+    the weights are restored and synced again, the original completions come back."""
+    ids, mask = prompts(trainer, [3, 4, 5])
+    original = vllm_greedy(trainer, ids, mask, version=100)
+    assert original == our_greedy(trainer, model, ids, mask)
+    saved = perturb(model, names, scale=0.05, seed=1)
+    changed = vllm_greedy(trainer, ids, mask, version=101)
+    assert changed == our_greedy(trainer, model, ids, mask)
+    assert changed != original  # the perturbation is seen: the test can fail
+    restore(model, saved)
+    assert vllm_greedy(trainer, ids, mask, version=102) == original  # and the prefix cache was reset
+
+
+def assert_seeded(trainer: GRPOTrainer) -> None:
+    """Seeds: each request's seed comes from (seed, policy version, call, request), not from the
+    process's random state: the first call after the weights of a version were sent samples the
+    same completions again; the next call samples others."""
+    ids, mask = prompts(trainer, [6, 6, 7, 7])
+    trainer.generator.version = None
+    first = completions(trainer.generator.generate(ids, mask, trainer.sampling, policy_version=200))
+    second = completions(trainer.generator.generate(ids, mask, trainer.sampling, policy_version=200))
+    torch.manual_seed(1234)
+    trainer.generator.version = None  # the weights are sent again: call 1 of version 200 again
+    again = completions(trainer.generator.generate(ids, mask, trainer.sampling, policy_version=200))
+    assert again == first and second != first

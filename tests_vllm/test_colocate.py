@@ -1,0 +1,120 @@
+"""Colocate mode with real vLLM: one in-process engine for the module, shared by every trainer."""
+
+import json
+
+import pytest
+import torch
+from conftest import shared_engine, vllm_settings
+from helpers import (
+    TOOL_CALL,
+    add,
+    assert_sampler_logps_match,
+    assert_seeded,
+    assert_sync_reaches_the_engine,
+    make_trainer,
+)
+
+from grpo_hf.checkpoints import STATE_FILE
+from grpo_hf.config import GRPOConfig
+from grpo_hf.engine.vllm.colocate import ColocateGenerator
+from grpo_hf.models import load_model
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    """A SmolLM2 + LoRA trainer whose engine every test of the module reuses."""
+    return make_trainer(tmp_path_factory.mktemp("colocate"), **vllm_settings())
+
+
+def test_the_engine_is_in_process_and_training_keeps_its_threads(trainer):
+    assert isinstance(trainer.generator, ColocateGenerator)
+    assert torch.get_num_threads() >= 1 and torch.set_num_threads.__module__ == "torch"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_logps_equal_our_logprob_pass(trainer, temperature):
+    assert_sampler_logps_match(trainer, temperature, version=int(temperature * 10))
+
+
+def test_runs_are_reproducible(trainer):
+    assert_seeded(trainer)
+
+
+def test_lora_sync_reaches_the_engine(trainer):
+    assert_sync_reaches_the_engine(trainer, trainer.model, names=("lora_B",))
+
+
+def test_full_fine_tuning_sync_reaches_the_engine(trainer):
+    """The same engine follows a plain (non-LoRA) policy: every weight is sent."""
+    model = load_model(str(trainer.model.get_base_model().name_or_path))
+    policy = trainer.generator.policy
+    trainer.generator.policy = lambda: model
+    try:
+        assert_sync_reaches_the_engine(trainer, model, names=("layers.3.mlp", "layers.10.self_attn"))
+    finally:
+        trainer.generator.policy = policy
+
+
+def test_lora_training_moves_logs_and_resumes(trainer, tmp_path):
+    """Item c: two optimizer steps through the engine, a checkpoint each; the adapter moves; the
+    sampler ratios are logged (and near 1: same weights, same float32 distribution); the run
+    resumes from its first checkpoint."""
+    settings = vllm_settings(max_steps=2, save_strategy="steps", save_steps=1)
+    with shared_engine(trainer.generator):
+        run = make_trainer(tmp_path, **settings)
+        before = {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad}
+        run.train()
+        assert any(not torch.equal(p, before[n]) for n, p in run.model.named_parameters() if n in before)
+        logs = [entry for entry in run.state.log_history if "loss" in entry]
+        assert len(logs) == 2
+        for entry in logs:
+            assert abs(entry["sampler/ratio_mean"] - 1) < 1e-3 and entry["sampler/ratio_max"] < 1.01
+            assert entry["generation/tokens_per_second"] > 0 and "reward" in entry
+        assert (tmp_path / "checkpoint-1" / STATE_FILE).is_file()
+        resumed = make_trainer(tmp_path, **settings)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert resumed.state.global_step == 2 and resumed.generator.version == 1
+
+
+def test_two_turn_tool_episode(trainer, tmp_path):
+    """Item e: the first turn is forced (vllm_structured_outputs_regex) to call the tool; its result
+    enters the context; the second turn is generated after it; tool tokens are out of the loss."""
+    settings = vllm_settings(
+        vllm_structured_outputs_regex=TOOL_CALL, max_tool_calling_iterations=1, max_completion_length=160
+    )
+    with shared_engine(trainer.generator):
+        run = make_trainer(tmp_path, tools=[add], **settings)
+        scored = run._sample_and_score([run.train_dataset[0]] * 2)
+    for episode in scored.completions:
+        assert [m["role"] for m in episode] == ["assistant", "tool", "assistant"]
+        call = json.loads(episode[0]["content"].removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        assert episode[1]["content"] == str(call["arguments"]["a"] + call["arguments"]["b"])
+    tool = scored.result.tool_mask.bool()
+    assert tool.any(dim=1).all() and torch.all(scored.result.sampler_logps[tool] == 0)
+
+
+def test_generation_kwargs_reach_vllm_and_are_checked(trainer, tmp_path):
+    """generation_kwargs are SamplingParams keys with vLLM: min_tokens=6 (vLLM's name) keeps every
+    completion going 6 tokens before its EOS may come; an unknown key is refused before the engine
+    starts."""
+    import dataclasses
+
+    from helpers import completions, prompts
+
+    ids, mask = prompts(trainer, [8, 8, 9, 9])
+    settings = dataclasses.replace(trainer.sampling, generation_kwargs={"min_tokens": 6}, max_new_tokens=8)
+    rows = completions(
+        trainer.generator.generate(ids, mask, settings, policy_version=trainer.generator.version)
+    )
+    eos = trainer.sampling.eos_token_ids
+    assert all(len(row) >= 6 and not set(row[:6]) & set(eos) for row in rows)
+    with pytest.raises(ValueError, match="generation_kwargs.*SamplingParams"):
+        make_trainer(tmp_path, **vllm_settings(generation_kwargs={"num_beams": 2}))
+
+
+def test_sleep_mode_is_refused_on_a_cpu(tmp_path):
+    """Item f: vLLM offers sleep mode on CUDA only; the setting is refused before any model work."""
+    with pytest.raises(ValueError, match="vllm_enable_sleep_mode"):
+        GRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, report_to=[], use_vllm=True, vllm_enable_sleep_mode=True
+        )

@@ -1,0 +1,118 @@
+"""Server mode with a real vLLM server on localhost (one for the session: `vllm_server`)."""
+
+import json
+import time
+
+import pytest
+import torch
+from conftest import ROOT
+from helpers import (
+    TOOL_CALL,
+    add,
+    assert_sampler_logps_match,
+    assert_seeded,
+    assert_sync_reaches_the_engine,
+    make_trainer,
+    prompts,
+)
+from trainer_helpers import free_port
+from two_processes import launch_two_processes
+
+from grpo_hf.checkpoints import STATE_FILE
+from grpo_hf.engine.vllm.server import ServerGenerator
+from grpo_hf.models import load_model
+
+
+def server_settings(url: str, **overrides) -> dict:
+    return dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url) | overrides
+
+
+@pytest.fixture(scope="module")
+def trainer(vllm_server, tmp_path_factory):
+    return make_trainer(tmp_path_factory.mktemp("server"), **server_settings(vllm_server))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_logps_equal_our_logprob_pass(trainer, temperature):
+    assert isinstance(trainer.generator, ServerGenerator)
+    assert_sampler_logps_match(trainer, temperature, version=int(temperature * 10))
+
+
+def test_runs_are_reproducible(trainer):
+    assert_seeded(trainer)
+
+
+def test_lora_sync_reaches_the_server(trainer):
+    assert_sync_reaches_the_engine(trainer, trainer.model, names=("lora_B",))
+
+
+def test_full_fine_tuning_sync_reaches_the_server(trainer):
+    model = load_model(str(trainer.model.get_base_model().name_or_path))
+    policy = trainer.generator.policy
+    trainer.generator.policy = lambda: model
+    try:
+        assert_sync_reaches_the_engine(trainer, model, names=("layers.3.mlp", "layers.10.self_attn"))
+    finally:
+        trainer.generator.policy = policy
+
+
+def test_lora_training_moves_logs_and_resumes(vllm_server, tmp_path):
+    """Item c through the server: the adapter moves, sampler ratios logged, the run resumes."""
+    settings = server_settings(vllm_server, max_steps=2, save_strategy="steps", save_steps=1)
+    run = make_trainer(tmp_path, **settings)
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad}
+    run.train()
+    assert any(not torch.equal(p, before[n]) for n, p in run.model.named_parameters() if n in before)
+    logs = [entry for entry in run.state.log_history if "loss" in entry]
+    assert len(logs) == 2 and all(abs(entry["sampler/ratio_mean"] - 1) < 1e-3 for entry in logs)
+    assert (tmp_path / "checkpoint-1" / STATE_FILE).is_file()
+    resumed = make_trainer(tmp_path, **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert resumed.state.global_step == 2 and resumed.generator.version == 1
+
+
+def test_two_turn_tool_episode(vllm_server, tmp_path):
+    """Item e through the server (the regex forces the first turn's tool call)."""
+    settings = server_settings(
+        vllm_server,
+        vllm_structured_outputs_regex=TOOL_CALL,
+        max_tool_calling_iterations=1,
+        max_completion_length=160,
+    )
+    run = make_trainer(tmp_path, tools=[add], **settings)
+    scored = run._sample_and_score([run.train_dataset[1]] * 2)
+    for episode in scored.completions:
+        assert [m["role"] for m in episode] == ["assistant", "tool", "assistant"]
+        call = json.loads(episode[0]["content"].removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        assert episode[1]["content"] == str(call["arguments"]["a"] + call["arguments"]["b"])
+    tool = scored.result.tool_mask.bool()
+    assert tool.any(dim=1).all() and torch.all(scored.result.sampler_logps[tool] == 0)
+
+
+def test_two_trainer_processes_share_the_server(vllm_server, tmp_path):
+    """Item d: a group of 4 split between 2 processes is one request with n = 4; each process gets
+    its own 2 samples; DDP keeps one adapter."""
+    launch_two_processes(
+        ROOT / "tests_vllm" / "server_worker.py", [vllm_server, str(tmp_path)], tmp_path, timeout=900
+    )
+    zero, one = (json.loads((tmp_path / f"process-{i}.json").read_text()) for i in range(2))
+    assert len(zero["completions"]) == len(one["completions"]) == 2
+    assert zero["completions"] != one["completions"]  # samples 0-1 and 2-3 of the request, not a copy
+    assert zero["lora_B_sum"] == one["lora_B_sum"] != 0.0
+    assert all(abs(r - 1) < 1e-3 for r in zero["ratios"] + one["ratios"])
+
+
+def test_no_server_and_a_timeout_are_clear_errors(trainer, tmp_path):
+    """Item f: nothing at the URL -> a ConnectionError within vllm_server_timeout; a request slower
+    than vllm_server_request_timeout -> a TimeoutError (no hang)."""
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="vllm_server_timeout=2"):
+        make_trainer(tmp_path, **server_settings(f"http://127.0.0.1:{free_port()}", vllm_server_timeout=2.0))
+    assert time.monotonic() - start < 30
+    trainer.generator.client.timeout = 0.01
+    try:
+        ids, mask = prompts(trainer, [0, 0])
+        with pytest.raises(TimeoutError, match="vllm_server_request_timeout"):
+            trainer.generator.generate(ids, mask, trainer.sampling, policy_version=trainer.generator.version)
+    finally:
+        trainer.generator.client.timeout = 600.0
