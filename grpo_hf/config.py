@@ -36,15 +36,15 @@ class GRPOConfig(TrainingArguments, GenerationBackendArguments):
     """Training arguments for `GRPOTrainer`; every GRPO field carries its help text below, the
     generation-backend ones (vLLM, generation_kwargs, ...) in `config_generation`."""
 
+    # Fields that also take a JSON object string (the command line and YAML configs pass strings).
     _VALID_DICT_FIELDS = [
         *TrainingArguments._VALID_DICT_FIELDS,
+        "model_init_kwargs",
+        "chat_template_kwargs",
         "generation_kwargs",
         "transformers_continuous_batching_config",
         "vllm_engine_kwargs",
     ]
-
-    # Fields that also take a JSON object string (the command line and YAML configs pass strings).
-    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs", "chat_template_kwargs"]
 
     # ---- Overridden TrainingArguments defaults -------------------------------------------------
     learning_rate: float = field(
