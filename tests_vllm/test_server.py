@@ -83,8 +83,10 @@ def test_two_turn_tool_episode(vllm_server, tmp_path):
     scored = run._sample_and_score([run.train_dataset[1]] * 2)
     for episode in scored.completions:
         assert [m["role"] for m in episode] == ["assistant", "tool", "assistant"]
-        call = json.loads(episode[0]["content"].removeprefix("<tool_call>").removesuffix("</tool_call>"))
-        assert episode[1]["content"] == str(call["arguments"]["a"] + call["arguments"]["b"])
+        (call,) = episode[0]["tool_calls"]  # transformers' message shape: the call parsed out of the text
+        arguments = call["function"]["arguments"]
+        assert call["function"]["name"] == "add"
+        assert episode[1]["content"] == str(arguments["a"] + arguments["b"])
     tool = scored.result.tool_mask.bool()
     assert tool.any(dim=1).all() and torch.all(scored.result.sampler_logps[tool] == 0)
 
