@@ -171,7 +171,8 @@ def check_quantization_config(config) -> None:
     if method == "bitsandbytes" and importlib.util.find_spec("bitsandbytes") is None:
         raise ImportError(
             "quantization_config is a BitsAndBytesConfig, but the bitsandbytes package is not installed: "
-            "`pip install bitsandbytes` (4-bit / 8-bit loading needs a GPU it supports), or drop quantization_config."
+            "`pip install bitsandbytes` (4-bit / 8-bit loading needs a GPU it supports), or drop quantization_config "
+            "(a script's --load_in_4bit / --load_in_8bit)."
         )
 
 
