@@ -2,9 +2,10 @@
 
 Each script in tests/trl_scripts/ is written against TRL's API as TRL documents it (the quick start,
 GRPOConfig's settings from the command line and in code, the reward-function forms of TRL's guide,
-tools and an environment that owns a reward). Here the import lines are rewritten and nothing else,
-and the script runs in a subprocess on a tiny Llama saved to a folder (TRL loads such a folder the
-same way; there is no model hub on these machines).
+tools and an environment that owns a reward) or as TRL's example scripts are written (TrlParser with
+a YAML --config, ModelConfig and get_peft_config, a dataset mixture, rewards chosen by name). Here
+the import lines are rewritten and nothing else, and the script runs in a subprocess on a tiny Llama
+saved to a folder (TRL loads such a folder the same way; there is no model hub on these machines).
 """
 
 import json
@@ -14,7 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_models import tiny_llama, tiny_tokenizer
+from safetensors.torch import load_file
+from tiny_models import LLAMA_LIKE, tiny_llama, tiny_tokenizer
+from transformers import LlamaConfig, LlamaForSequenceClassification
 
 SCRIPTS = Path(__file__).parent / "trl_scripts"
 IMPORTS = {
@@ -147,6 +150,96 @@ TRL_LOGGED_CLI = [
     "step_time",
 ]
 
+# TRL 1.16.0 ran lora_config.py and mixture.py unchanged (PYTHONPATH with peft 0.21.2 for LoRA; the same
+# command lines, YAML files and data as the tests below): the metrics of its first step, and of mixture.py's
+# evaluation.
+TRL_LOGGED_LORA = [
+    "clip_ratio/high_max",
+    "clip_ratio/high_mean",
+    "clip_ratio/low_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/region_mean",
+    "completions/clipped_ratio",
+    "completions/max_length",
+    "completions/max_terminated_length",
+    "completions/mean_length",
+    "completions/mean_terminated_length",
+    "completions/min_length",
+    "completions/min_terminated_length",
+    "entropy",
+    "frac_reward_zero_std",
+    "grad_norm",
+    "kl",
+    "learning_rate",
+    "loss",
+    "num_tokens",
+    "reward",
+    "reward_std",
+    "rewards/letter_share_reward/mean",
+    "rewards/letter_share_reward/std",
+    "rewards/think_format_reward/mean",
+    "rewards/think_format_reward/std",
+    "step_time",
+]
+TRL_LOGGED_MIXTURE = [
+    "clip_ratio/high_max",
+    "clip_ratio/high_mean",
+    "clip_ratio/low_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/region_mean",
+    "completions/clipped_ratio",
+    "completions/max_length",
+    "completions/max_terminated_length",
+    "completions/mean_length",
+    "completions/mean_terminated_length",
+    "completions/min_length",
+    "completions/min_terminated_length",
+    "entropy",
+    "frac_reward_zero_std",
+    "grad_norm",
+    "learning_rate",
+    "loss",
+    "num_tokens",
+    "reward",
+    "reward_std",
+    "rewards/accuracy_reward/mean",
+    "rewards/accuracy_reward/std",
+    "rewards/soft_overlong_punishment_reward/mean",
+    "rewards/soft_overlong_punishment_reward/std",
+    "rewards/tiny-reward/mean",
+    "rewards/tiny-reward/std",
+    "step_time",
+]
+TRL_LOGGED_MIXTURE_EVAL = [
+    "eval_clip_ratio/high_max",
+    "eval_clip_ratio/high_mean",
+    "eval_clip_ratio/low_mean",
+    "eval_clip_ratio/low_min",
+    "eval_clip_ratio/region_mean",
+    "eval_completions/clipped_ratio",
+    "eval_completions/max_length",
+    "eval_completions/max_terminated_length",
+    "eval_completions/mean_length",
+    "eval_completions/mean_terminated_length",
+    "eval_completions/min_length",
+    "eval_completions/min_terminated_length",
+    "eval_entropy",
+    "eval_frac_reward_zero_std",
+    "eval_loss",
+    "eval_num_tokens",
+    "eval_reward",
+    "eval_reward_std",
+    "eval_rewards/accuracy_reward/mean",
+    "eval_rewards/accuracy_reward/std",
+    "eval_rewards/soft_overlong_punishment_reward/mean",
+    "eval_rewards/soft_overlong_punishment_reward/std",
+    "eval_rewards/tiny-reward/mean",
+    "eval_rewards/tiny-reward/std",
+    "eval_runtime",
+    "eval_samples_per_second",
+    "eval_steps_per_second",
+]
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
@@ -156,6 +249,30 @@ def model_dir(tmp_path_factory) -> Path:
     tokenizer.chat_template, tokenizer.response_template = HERMES_TEMPLATE, HERMES_RESPONSE
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory) -> Path:
+    """A tiny sequence classifier (one score) and the tokenizer, in a folder named 'tiny-reward'
+    (TRL names a reward model's metrics after its folder: rewards/tiny-reward/mean)."""
+    folder = tmp_path_factory.mktemp("reward") / "tiny-reward"
+    config = LlamaConfig(vocab_size=259, num_labels=1, eos_token_id=2, bos_token_id=1, **LLAMA_LIKE)
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def sums(n: int, offset: int = 0, **extra) -> list[dict]:
+    """Chat prompts 'What is a + a?' with the `solution` column accuracy_reward reads."""
+    return [
+        {"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "solution": str(2 * i), **extra}
+        for i in range(offset, offset + n)
+    ]
 
 
 def ported(name: str, out: Path) -> Path:
@@ -228,3 +345,58 @@ def test_trl_command_line_settings(model_dir, tmp_path):
     steps = [entry for entry in history if "loss" in entry]
     assert len(steps) == 2
     assert not set(TRL_LOGGED_CLI) - set(steps[0])
+
+
+# The reward function the YAML file of lora_config.py names by import path (TRL's 'module.function').
+MY_REWARDS = """def letter_share_reward(completions, **kwargs):
+    texts = [c[0]["content"] for c in completions]
+    return [sum(ch.isalpha() for ch in t) / max(len(t), 1) for t in texts]
+"""
+
+
+@pytest.mark.slow
+def test_trl_example_script_with_a_yaml_config_and_lora(model_dir, tmp_path):
+    write_jsonl(tmp_path / "data" / "train.jsonl", sums(8))
+    write_jsonl(tmp_path / "data" / "test.jsonl", sums(2, offset=8))
+    (tmp_path / "my_rewards.py").write_text(MY_REWARDS)
+    out = tmp_path / "out"
+    args = [
+        "--config", str(SCRIPTS / "lora_config.yaml"), "--model_name_or_path", str(model_dir),
+        "--output_dir", str(out), "--max_steps", "2", "--lora_r", "4",
+    ]  # fmt: skip
+    history = logged(run(ported("lora_config.py", tmp_path), model_dir, tmp_path, *args))
+    steps = [entry for entry in history if "loss" in entry]
+    assert len(steps) == 2  # --max_steps 2 overrides the file's 5
+    assert not set(TRL_LOGGED_LORA) - set(steps[0])  # the rewards the file names, kl (its beta)
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert (adapter["r"], adapter["lora_alpha"]) == (4, 16)  # r from the command line, alpha from the file
+    assert sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
+    weights = load_file(out / "adapter_model.safetensors")
+    # q and v of 2 layers, A and B each; B starts at zero, so a nonzero B is a trained adapter.
+    assert len(weights) == 8 and all(".lora_" in name for name in weights)
+    assert all(w.abs().max() > 0 for name, w in weights.items() if "lora_B" in name)
+    assert not (out / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_trl_grpo_script_with_a_dataset_mixture_and_a_reward_model(model_dir, reward_model_dir, tmp_path):
+    write_jsonl(tmp_path / "math.jsonl", sums(8))
+    write_jsonl(tmp_path / "extra.jsonl", sums(8, offset=8, source="extra"))  # `columns` drops source
+    out = tmp_path / "out"
+    args = [
+        "--config", str(SCRIPTS / "mixture.yaml"), "--model_name_or_path", str(model_dir),
+        "--reward_model_name_or_path", str(reward_model_dir), "--output_dir", str(out),
+    ]  # fmt: skip
+    done = run(ported("mixture.py", tmp_path), model_dir, tmp_path, *args)
+    # Fractions 0.75 : 0.25 of 8 + 8 rows: N = min(8 / 0.75, 8 / 0.25) = 10.67; 8 and round(2.67) = 3
+    # rows, 11 in all; test_split_size 3 leaves 8 to train on.
+    sizes = [line for line in done.stdout.splitlines() if line.startswith('{"train"')]  # the script's print
+    assert [json.loads(line) for line in sizes] == [{"train": 8, "test": 3}]
+    history = logged(done)
+    steps = [entry for entry in history if "loss" in entry]
+    assert len(steps) == 2
+    assert not set(TRL_LOGGED_MIXTURE) - set(steps[0])  # the reward model's and the functions' rewards
+    evaluations = [entry for entry in history if "eval_reward" in entry]
+    assert len(evaluations) == 1 and evaluations[0]["step"] == 2  # eval_steps 2 on the 3 test rows
+    assert not set(TRL_LOGGED_MIXTURE_EVAL) - set(evaluations[0])
+    assert (out / "model.safetensors").is_file()  # full fine-tuning: no peft_config
