@@ -3,24 +3,21 @@
     accelerate launch --config_file recipes/accelerate/cpu.yaml recipes/grpo.py \\
         --config recipes/configs/smollm2_lora_arithmetic.yaml [--any_setting value ...]
 
-Settings come from three dataclasses (ScriptArguments, ModelArguments, GRPOConfig); the YAML file
-gives defaults and command-line flags override it.
+Settings come from three dataclasses (ScriptArguments, ModelArguments, GRPOConfig), parsed by
+`TrlParser` as TRL's scripts are: the YAML file gives defaults, command-line flags override it.
 """
 
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
-import yaml
 from accelerate import PartialState
 from accelerate.utils import DistributedType
 from peft import LoraConfig
-from transformers import HfArgumentParser
 
-from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf import GRPOConfig, GRPOTrainer, TrlParser
 from grpo_hf.evaluation import greedy_accuracy
 from grpo_hf.models import DEFAULT_MODEL, load_model, load_tokenizer, model_init_kwargs, tokenizer_init_kwargs
 from grpo_hf.plotting import plot_training
@@ -54,25 +51,6 @@ class ModelArguments:
     )
 
 
-def parse_args() -> tuple[ScriptArguments, ModelArguments, GRPOConfig]:
-    """YAML defaults from --config, overridden by any flag given on the command line."""
-    argv = sys.argv[1:]
-    if "--config" in argv:
-        at = argv.index("--config")
-        with open(argv[at + 1]) as f:
-            argv = yaml_to_argv(yaml.safe_load(f) or {}) + argv[:at] + argv[at + 2 :]
-    parser = HfArgumentParser((ScriptArguments, ModelArguments, GRPOConfig))
-    return parser.parse_args_into_dataclasses(args=argv)
-
-
-def yaml_to_argv(settings: dict) -> list[str]:
-    argv = []
-    for key, value in settings.items():
-        values = value if isinstance(value, list) else [value]
-        argv += [f"--{key}", *(str(v) for v in values)]
-    return argv
-
-
 def evaluate(model, tokenizer, dataset, task, script: ScriptArguments, args: GRPOConfig) -> dict:
     """Greedy held-out accuracy; for a task with tools, greedy episodes (tool calls per episode too)."""
     result = greedy_accuracy(
@@ -93,7 +71,8 @@ def evaluate(model, tokenizer, dataset, task, script: ScriptArguments, args: GRP
 
 
 def main() -> None:
-    train_and_report(*parse_args())
+    # YAML defaults from --config (and its env: section), overridden by flags on the command line.
+    train_and_report(*TrlParser((ScriptArguments, ModelArguments, GRPOConfig)).parse_args_and_config())
     # Left to interpreter exit, the process group's threads can abort a finished run (SIGABRT).
     PartialState().destroy_process_group()
 
