@@ -33,7 +33,6 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Trainer,
-    TrainerCallback,
 )
 from transformers.trainer_utils import rotate_checkpoints
 
@@ -78,16 +77,14 @@ from grpo_hf.metrics import MICRO_STEP_METRICS, IntervalMetrics, StepTimer, roun
 from grpo_hf.models import (
     cast_lm_head_to_fp32,
     disable_dropout,
-    load_model,
     load_policy,
     model_init_kwargs,
-    reference_init_kwargs,
     reward_model_loading,
     wrap_with_peft,
 )
 from grpo_hf.moe import RouterAuxLoss
 from grpo_hf.multi_turn import episode_counts, tool_episodes, tool_metrics
-from grpo_hf.reference import build_reference, mix_into_reference, reference_context
+from grpo_hf.reference import ReferenceSync, load_reference, reference_context
 from grpo_hf.reward_outputs import RewardLogs
 from grpo_hf.rollout_func import RolloutFunc, call_rollout_func
 from grpo_hf.sampler_correction import sampler_correction, sampler_metrics
@@ -99,21 +96,10 @@ from grpo_hf.scoring import (
     reward_tokenizers,
     score_completions,
 )
-from grpo_hf.sharding import parameters_for_mixing, prepare_reference, zero3_partitioned
 from grpo_hf.streaming import extra_prompt_source, group_stream, read_in_process
 from grpo_hf.tools import Toolbox, check_tool_call_format
 
 logger = logging.getLogger(__name__)
-
-
-class _ReferenceSync(TrainerCallback):
-    """Calls `GRPOTrainer.sync_reference` after every optimizer step."""
-
-    def __init__(self, trainer: "GRPOTrainer"):
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.sync_reference()
 
 
 class GRPOTrainer(Trainer):
@@ -200,7 +186,8 @@ class GRPOTrainer(Trainer):
             **kwargs,
         )
         self.loss_is_scaled_for_ga = False  # the Trainer divides our loss by the accumulation steps
-        self.ref_model = self._build_reference(ref_model, peft_config is not None, init_kwargs)
+        lora = peft_config is not None
+        self.ref_model = load_reference(self.accelerator, self.model, args, ref_model, lora, init_kwargs)
         for reward in self.reward_funcs:
             if isinstance(reward, RewardModel):
                 reward.model = self.accelerator.prepare_model(reward.model, evaluation_mode=True)
@@ -235,30 +222,9 @@ class GRPOTrainer(Trainer):
         self.add_callback(StepTimer(self.record))
         self.add_callback(self.completion_log)
         self.add_callback(NonFiniteGuard(self.record))
-        self.add_callback(_ReferenceSync(self))
+        self.add_callback(ReferenceSync(self.accelerator, lambda: self.model, self.ref_model))
         self.interrupt = SaveOnInterrupt()
         self.add_callback(self.interrupt)
-
-    def _build_reference(
-        self, ref_model: str | PreTrainedModel | None, lora: bool, init_kwargs: dict
-    ) -> nn.Module | None:
-        """The frozen reference (None when beta = 0 or with LoRA), prepared like the policy; one loaded
-        by name as the policy was (`models.reference_init_kwargs`)."""
-        partitioned = zero3_partitioned(self.model)
-        if ref_model is None and self.args.beta > 0 and not lora and partitioned and self.model.name_or_path:
-            # ZeRO-3 partitioned the policy as it loaded (zero.Init): load the reference the same way.
-            logger.info(
-                "ZeRO-3: loading the reference from %s instead of copying the policy.",
-                self.model.name_or_path,
-            )
-            ref_model = self.model.name_or_path
-        if isinstance(ref_model, str):
-            policy = self.accelerator.unwrap_model(self.model)
-            ref_model = load_model(ref_model, **reference_init_kwargs(self.args, init_kwargs, policy))
-        if ref_model is not None and self.args.cast_lm_head_to_fp32:
-            cast_lm_head_to_fp32(ref_model)
-        reference = build_reference(self.model, self.args.beta, ref_model)
-        return None if reference is None else prepare_reference(self.accelerator, reference, self.model)
 
     # ---- Data ---------------------------------------------------------------------------------
 
@@ -605,7 +571,7 @@ class GRPOTrainer(Trainer):
             loss = self.compute_loss(model, inputs).detach()
         return loss, None, None
 
-    # ---- Adaptive KL and reference sync -------------------------------------------------------
+    # ---- Adaptive KL -------------------------------------------------------
 
     def _update_adaptive_beta(self) -> None:
         if self.args.target_kl is None or not self._round_kl:
@@ -617,15 +583,6 @@ class GRPOTrainer(Trainer):
             self.beta, kl, self.args.target_kl, self.args.generation_batch_size, self.args.kl_horizon
         )
         self._round_kl = []
-
-    def sync_reference(self) -> None:
-        """Reference sync (TR-DPO) every ref_model_sync_steps optimizer steps."""
-        args = self.args
-        if args.sync_ref_model and self.state.global_step % args.ref_model_sync_steps == 0:
-            ref = self.accelerator.unwrap_model(self.ref_model)
-            policy = self.accelerator.unwrap_model(self.model)
-            with parameters_for_mixing(self.accelerator, ref, policy):
-                mix_into_reference(ref, policy, args.ref_model_mixup_alpha)
 
     # ---- Metrics ------------------------------------------------------------------------------
 
