@@ -60,7 +60,7 @@ from grpo_hf.data import (
     trim_padding,
 )
 from grpo_hf.dynamic_sampling import ScoredRound, gather_round, sample_teaching_groups
-from grpo_hf.engine import native_bf16
+from grpo_hf.engine import precision_line
 from grpo_hf.engine.generation import build_generator, sampling_settings
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.entropy_control import EntropyCoefficient
@@ -191,7 +191,9 @@ class GRPOTrainer(Trainer):
         for reward in self.reward_funcs:
             if isinstance(reward, RewardModel):
                 reward.model = self.accelerator.prepare_model(reward.model, evaluation_mode=True)
-        self._log_precision()
+        line = precision_line(args.precision, args.bf16, use_cpu=args.device.type == "cpu")
+        if line is not None and self.accelerator.is_main_process:
+            logger.warning(line)
         self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
         self.sampling = sampling_settings(args, self.eos_token_ids, processing_class.pad_token_id)
         self.generator = build_generator(
@@ -272,20 +274,6 @@ class GRPOTrainer(Trainer):
     def _set_signature_columns_if_needed(self) -> None:
         """remove_unused_columns=True keeps only 'prompt' (the model's forward takes no dataset column)."""
         self._signature_columns = ["prompt"]
-
-    def _log_precision(self) -> None:
-        """Say which precision precision='auto' chose, or that an explicit --bf16 will be emulated."""
-        native, line = native_bf16(use_cpu=self.args.device.type == "cpu")
-        if not self.accelerator.is_main_process:
-            return
-        if self.args.precision == "auto":
-            logger.warning(line)
-        elif self.args.bf16 and not native:
-            logger.warning(
-                "--bf16 is set but bf16 is not native here (%s): its matmuls are emulated, several times "
-                "slower than float32. Set precision='auto' (or drop --bf16) to train in float32.",
-                line.split(", ", 1)[1],
-            )
 
     # ---- Generation round ---------------------------------------------------------------------
 
