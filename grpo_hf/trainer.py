@@ -71,7 +71,7 @@ from grpo_hf.environments import (
     check_reward_source,
     train_dataset_or_placeholder,
 )
-from grpo_hf.loss import LOSS_SETTINGS, adaptive_beta, grpo_loss
+from grpo_hf.loss import LOSS_SETTINGS, adaptive_beta, dapo_normalizers, grpo_loss
 from grpo_hf.masks import gather_ragged, policy_weights
 from grpo_hf.metrics import MICRO_STEP_METRICS, IntervalMetrics, StepTimer, round_metrics
 from grpo_hf.models import (
@@ -326,29 +326,14 @@ class GRPOTrainer(Trainer):
         if result.sampler_logps is not None:
             batch["sampler_logps"] = result.sampler_logps
         parts = split_batch(batch, args.steps_per_generation if self.model.training else 1)
-        normalizers = self._dapo_normalizers([part["completion_mask"] for part in parts])
+        counts = torch.stack([part["completion_mask"].sum() for part in parts]).float()  # (S,)
+        counts = self.accelerator.gather(counts).view(self.accelerator.num_processes, -1)  # (P, S)
+        per_step = min(args.gradient_accumulation_steps, len(parts)) if self.model.training else 1
+        normalizers = dapo_normalizers(counts, per_step)
         return [
             self._complete_micro_batch(part, normalizer)
             for part, normalizer in zip(parts, normalizers, strict=True)
         ]
-
-    def _dapo_normalizers(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per micro-batch: the DAPO denominator that makes each optimizer step a token mean.
-
-        The Trainer divides each micro-step's loss by gradient_accumulation_steps and DDP averages
-        over processes, so a micro-batch feeding an optimizer step with n active tokens (summed over
-        that step's micro-batches and every process) divides its token sum by n / (P * GA). With
-        several optimizer steps per round (steps_per_generation = k * GA) each step has its own n;
-        with one round per several steps (GA a multiple of steps_per_generation) n is the round's,
-        and the step's gradient is the mean of its rounds' token means. In evaluation (one part per
-        process) n / P makes the mean of the processes' losses the global token mean.
-        """
-        processes = self.accelerator.num_processes
-        counts = torch.stack([mask.sum() for mask in masks]).float()  # (S,)
-        counts = self.accelerator.gather(counts).view(processes, -1).sum(dim=0)  # (S,) over processes
-        per_step = min(self.args.gradient_accumulation_steps, len(masks)) if self.model.training else 1
-        totals = counts.view(-1, per_step).sum(dim=1)  # (S / per_step,) active tokens per optimizer step
-        return [totals[i // per_step] / (processes * per_step) for i in range(len(masks))]
 
     def _sample_and_score(self, rows: list[dict]) -> ScoredRound:
         """Generate one completion per row (rows repeat each prompt G times) and score them."""
