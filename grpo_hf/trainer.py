@@ -18,7 +18,6 @@ The maths lives in `advantages`, `loss` and `logprobs`; this file only orchestra
 """
 
 import functools
-import json
 import logging
 import os
 import time
@@ -41,11 +40,9 @@ from grpo_hf.advantages import aggregate_rewards, compute_advantages
 from grpo_hf.checkpoints import (
     NonFiniteGuard,
     SaveOnInterrupt,
-    last_complete_checkpoint,
-    read_round,
-    read_state,
-    write_round,
-    write_state,
+    checkpoint_to_resume,
+    complete_checkpoint,
+    read_checkpoint,
 )
 from grpo_hf.completion_logs import CompletionLog, completion_rows
 from grpo_hf.config import GRPOConfig, default_output_dir
@@ -59,7 +56,7 @@ from grpo_hf.data import (
     split_batch,
     trim_padding,
 )
-from grpo_hf.dynamic_sampling import ScoredRound, gather_round, sample_teaching_groups
+from grpo_hf.dynamic_sampling import ExtraRounds, ScoredRound, gather_round, sample_teaching_groups
 from grpo_hf.engine import precision_line
 from grpo_hf.engine.generation import build_generator, sampling_settings
 from grpo_hf.engine.logprobs import completion_logps
@@ -216,8 +213,8 @@ class GRPOTrainer(Trainer):
         self.add_callback(self.entropy_control)
         self._micro_step = 0
         self._buffer: list[dict] = []
-        self._extra_prompts = 0  # position in dynamic sampling's extra prompt stream (checkpointed)
-        self._extra_source = extra_prompt_source(self.train_dataset, args.seed, self.toolbox is not None)
+        source = extra_prompt_source(self.train_dataset, args.seed, self.toolbox is not None)
+        self.extra_rounds = ExtraRounds(source, args.generation_batch_size, args.num_generations)
         self._round_kl: list[float] = []
         self.metrics = IntervalMetrics()
         self._eval_prefix = "eval"  # the running evaluation's metric prefix (`evaluate`)
@@ -412,7 +409,9 @@ class GRPOTrainer(Trainer):
         weights = self.reward_weights.to(first.rewards_per_func.device)
         scored, metrics = sample_teaching_groups(
             first,
-            sample_more=lambda: self._sample_and_score(self._extra_prompt_rows(len(first.prompts))),
+            sample_more=lambda: self._sample_and_score(
+                self.extra_rounds.rows(len(first.prompts), self.accelerator.process_index)
+            ),
             gather=lambda scored: gather_round(self.accelerator, scored, self.processing_class.pad_token_id),
             combine=lambda rewards_per_func: aggregate_rewards(
                 rewards_per_func, weights, args.num_generations, args.multi_objective_aggregation
@@ -424,15 +423,6 @@ class GRPOTrainer(Trainer):
         )
         self.record(metrics)
         return scored
-
-    def _extra_prompt_rows(self, share: int) -> list[dict]:
-        """This process's rows of one extra round: the extra stream's next prompts, G rows each."""
-        args = self.args
-        count = args.generation_batch_size // args.num_generations
-        prompts = self._extra_source.take(self._extra_prompts, count)
-        self._extra_prompts += count
-        start = self.accelerator.process_index * share
-        return [row for row in prompts for _ in range(args.num_generations)][start : start + share]
 
     def _complete_micro_batch(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> dict:
         """Trim padding and add old / reference log-probs (no grad, once per round)."""
@@ -606,36 +596,40 @@ class GRPOTrainer(Trainer):
             self.args.save_total_limit = limit
         run_dir = self._get_output_dir(trial)
         folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
-        if self._micro_step % self.round_length:
-            write_round(folder, self.accelerator.process_index, self._buffer)
-        self.accelerator.wait_for_everyone()  # every process's files are in before the marker
+        round_rest = self._buffer if self._micro_step % self.round_length else None
+        complete_checkpoint(
+            folder, self.accelerator, self._grpo_state() if self.args.should_save else None, round_rest
+        )
         if self.args.should_save:
-            state = {"beta": self.beta, "round_kl": self._round_kl, "extra_prompts": self._extra_prompts}
-            write_state(folder, state | {"entropy": self.entropy_control.state_dict()})
             rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        """Train; when resuming, restore the adaptive beta and the position in the generation round.
+        """Train; when resuming, restore the GRPO state and the position in the generation round.
 
         `resume_from_checkpoint=True` takes the newest complete checkpoint in output_dir.
         """
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(
-                    f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}."
-                )
+        resume_from_checkpoint = checkpoint_to_resume(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint:
-            state = read_state(resume_from_checkpoint)
-            self.beta, self._round_kl = state["beta"], state["round_kl"]
-            self._extra_prompts = state.get("extra_prompts", 0)  # absent in checkpoints older than it
-            self.entropy_control.load_state_dict(state.get("entropy", self.entropy_control.state_dict()))
-            with open(os.path.join(resume_from_checkpoint, "trainer_state.json")) as f:
-                step = json.load(f)["global_step"]
-            self._micro_step = step * self.args.gradient_accumulation_steps
-            if self._micro_step % self.round_length:
-                self._buffer = read_round(
-                    resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device
-                )
+            state, self._micro_step, self._buffer = read_checkpoint(
+                resume_from_checkpoint,
+                self.accelerator,
+                self.args.gradient_accumulation_steps,
+                self.round_length,
+            )
+            self._load_grpo_state(state)
         with self.interrupt.catching_signals():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _grpo_state(self) -> dict:
+        """What a checkpoint holds of the trainer besides the Trainer's files (`checkpoints.write_state`)."""
+        return {
+            "beta": self.beta,
+            "round_kl": self._round_kl,
+            "extra_prompts": self.extra_rounds.position,
+            "entropy": self.entropy_control.state_dict(),
+        }
+
+    def _load_grpo_state(self, state: dict) -> None:
+        self.beta, self._round_kl = state["beta"], state["round_kl"]
+        self.extra_rounds.position = state.get("extra_prompts", 0)  # absent in checkpoints older than it
+        self.entropy_control.load_state_dict(state.get("entropy", self.entropy_control.state_dict()))

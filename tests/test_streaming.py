@@ -325,7 +325,7 @@ def test_dynamic_sampling_draws_extra_prompts_from_the_stream(tmp_path):
     trainer.train()
     extra = [entry["dynamic_sampling/extra_rounds"] for entry in trainer.state.log_history if "loss" in entry]
     assert sum(extra) > 0
-    assert trainer._extra_prompts == 2 * sum(extra)  # 2 prompts per extra round
+    assert trainer.extra_rounds.position == 2 * sum(extra)  # 2 prompts per extra round
     rounds = trainer.rounds["train"]
     assert len(rounds) == 2 + sum(extra)  # each step: one regular round, then its extra rounds
     extra_rounds = rounds[1 : 1 + int(extra[0])] + rounds[2 + int(extra[0]) :]
