@@ -28,11 +28,7 @@ from datasets import Dataset, IterableDataset
 from peft import PeftConfig
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
-from transformers import (
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    Trainer,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import rotate_checkpoints
 
 from grpo_hf import rollout
@@ -48,11 +44,11 @@ from grpo_hf.completion_logs import CompletionLog, completion_rows
 from grpo_hf.config import GRPOConfig, default_output_dir
 from grpo_hf.data import (
     GroupSampler,
-    check_batching,
-    check_prompt_dataset,
+    check_datasets,
     is_stream,
     keep_rows,
     padded_to_multiple,
+    round_batch,
     split_batch,
     trim_padding,
 )
@@ -70,15 +66,8 @@ from grpo_hf.environments import (
 )
 from grpo_hf.loss import LOSS_SETTINGS, adaptive_beta, dapo_normalizers, grpo_loss
 from grpo_hf.masks import gather_ragged, policy_weights
-from grpo_hf.metrics import MICRO_STEP_METRICS, IntervalMetrics, StepTimer, round_metrics
-from grpo_hf.models import (
-    cast_lm_head_to_fp32,
-    disable_dropout,
-    load_policy,
-    model_init_kwargs,
-    reward_model_loading,
-    wrap_with_peft,
-)
+from grpo_hf.metrics import IntervalMetrics, StepTimer, micro_step_values, round_metrics
+from grpo_hf.models import load_policy, model_init_kwargs, prepare_policy, reward_model_loading
 from grpo_hf.moe import RouterAuxLoss
 from grpo_hf.multi_turn import episode_counts, tool_episodes, tool_metrics
 from grpo_hf.reference import ReferenceSync, load_reference, reference_context
@@ -88,9 +77,8 @@ from grpo_hf.sampler_correction import sampler_correction, sampler_metrics
 from grpo_hf.scoring import (
     RewardFunc,
     RewardModel,
-    reward_functions,
     reward_name,
-    reward_tokenizers,
+    reward_setup,
     score_completions,
 )
 from grpo_hf.streaming import extra_prompt_source, group_stream, read_in_process
@@ -128,50 +116,22 @@ class GRPOTrainer(Trainer):
         if eval_dataset is not None:
             args.check_eval_batch()
         train_dataset = train_dataset_or_placeholder(train_dataset, pool, args)
-        check_batching(args, train_dataset)
-        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            if dataset is not None:
-                check_prompt_dataset(
-                    dataset, name, needs_chat=bool(tools or pool), prompt_optional=bool(pool)
-                )
-                if pool is not None:
-                    pool.check_dataset(dataset, name)
-        toolbox = Toolbox(tools, pool.probes if pool else None)
-        self.toolbox, self.tools = (toolbox if toolbox.tools else None), toolbox.tools
-        if rollout_func is not None and self.toolbox is not None:
-            raise ValueError(
-                "rollout_func and tools / environment_factory both make the completions; pass one."
-            )
-        self.rollout_func = rollout_func
-        self.environments: list | None = None  # the environments of the latest rollouts (TRL's attribute)
+        check_datasets(args, train_dataset, eval_dataset, needs_chat=bool(tools or pool), environments=pool)
+        self._set_rollout_sources(tools, rollout_func)
         init_kwargs = model_init_kwargs(args, quantization_config)
-        self.reward_funcs = reward_functions(
-            reward_funcs, reward_processing_classes, args.reward_weights, **reward_model_loading(args)
+        self.reward_funcs, self.reward_processing_classes, self.reward_weights = reward_setup(
+            reward_funcs,
+            reward_processing_classes,
+            args.reward_weights,
+            pool.reward_functions() if pool else [],
+            **reward_model_loading(args),
         )
-        self.reward_processing_classes = reward_tokenizers(self.reward_funcs, reward_processing_classes)
-        weights = args.reward_weights or [1.0] * len(self.reward_funcs)
-        self.reward_funcs += pool.reward_functions() if pool else []  # weight 1 each, as in TRL
-        self.reward_processing_classes += [None] * (len(self.reward_funcs) - len(weights))
         self.reward_func_names = [reward_name(func) for func in self.reward_funcs]
         check_reward_source(self.reward_funcs)
         model, processing_class = load_policy(model, processing_class, args, init_kwargs)
-        if processing_class.pad_token_id is None:
-            raise ValueError(
-                "The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos_token) and pass it "
-                "as processing_class."
-            )
         if self.toolbox is not None:
             check_tool_call_format(processing_class)
-        if args.disable_dropout:
-            disable_dropout(model)
-        if peft_config is not None:
-            model = wrap_with_peft(model, peft_config, args.gradient_checkpointing)
-        if args.sync_ref_model and peft_config is not None:
-            raise ValueError(
-                "sync_ref_model needs a copied reference; with peft_config the base model is it."
-            )
-        if args.cast_lm_head_to_fp32:
-            cast_lm_head_to_fp32(model)
+        model = prepare_policy(model, args, peft_config)
         self.router_aux = RouterAuxLoss(model, args.router_aux_loss_coef)
         super().__init__(
             model=model,
@@ -191,19 +151,39 @@ class GRPOTrainer(Trainer):
         line = precision_line(args.precision, args.bf16, use_cpu=args.device.type == "cpu")
         if line is not None and self.accelerator.is_main_process:
             logger.warning(line)
+        self._set_up_generation(processing_class)
+        self._set_up_training_state(args)
+
+    def _set_rollout_sources(self, tools: list[Callable] | None, rollout_func: RolloutFunc | None) -> None:
+        """What makes the completions besides the policy: tools (given, or the environments' methods)
+        for multi-turn episodes, or the user's rollout_func."""
+        pool = self.environment_pool
+        toolbox = Toolbox(tools, pool.probes if pool else None)
+        self.toolbox, self.tools = (toolbox if toolbox.tools else None), toolbox.tools
+        if rollout_func is not None and self.toolbox is not None:
+            raise ValueError(
+                "rollout_func and tools / environment_factory both make the completions; pass one."
+            )
+        self.rollout_func = rollout_func
+        self.environments: list | None = None  # the environments of the latest rollouts (TRL's attribute)
+
+    def _set_up_generation(self, processing_class: PreTrainedTokenizerBase) -> None:
+        """The sampling settings and the generator (`engine.generation.build_generator`)."""
         self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
-        self.sampling = sampling_settings(args, self.eos_token_ids, processing_class.pad_token_id)
+        self.sampling = sampling_settings(self.args, self.eos_token_ids, processing_class.pad_token_id)
         self.generator = build_generator(
-            args,
+            self.args,
             self.accelerator,
             self.model,
             lambda: self.accelerator.unwrap_model(self.model),
             processing_class,
             sharded=self.is_fsdp_enabled or self.is_deepspeed_enabled,
         )
-        self.reward_weights = torch.tensor(
-            weights + [1.0] * (len(self.reward_funcs) - len(weights)), dtype=torch.float32
-        )
+
+    def _set_up_training_state(self, args: GRPOConfig) -> None:
+        """The loss's settings, what moves during training (beta, the entropy coefficient, the
+        position in a generation round and in the extra prompt stream; checkpointed), the metrics,
+        and the callbacks."""
         self.beta = args.beta
         self.loss_settings = {name: getattr(args, name) for name in LOSS_SETTINGS}
         self.sampler_correction = sampler_correction(args)
@@ -301,27 +281,14 @@ class GRPOTrainer(Trainer):
         scored = self._sample_and_score(rows)
         if args.dynamic_sampling and self.model.training:
             scored = self._dynamically_sampled(scored)
-        result = scored.result
         all_rewards, aggregated, all_advantages = self._advantages(scored.rewards_per_func)
         start = self.accelerator.process_index * len(scored.prompts)
         advantages = all_advantages[start : start + len(scored.prompts)]  # (B,) this process's rows
-        loss_mask = result.completion_mask  # (B, C)
-        if args.mask_truncated_completions:
-            loss_mask = loss_mask * (~result.truncated).unsqueeze(1)
-        if result.tool_mask is not None:  # tool results: context, not the policy's choice
-            loss_mask = loss_mask * (1 - result.tool_mask)
         self._record_round(scored, all_rewards, aggregated, all_advantages)
         if args.log_completions:
             rows = completion_rows(scored, self.reward_func_names, self.reward_weights, advantages)
             self.completion_log.record(rows)
-        batch = {
-            "input_ids": result.input_ids,
-            "attention_mask": result.attention_mask,
-            "completion_mask": loss_mask,
-            "advantages": advantages,
-        }
-        if result.sampler_logps is not None:
-            batch["sampler_logps"] = result.sampler_logps
+        batch = round_batch(scored.result, advantages, args.mask_truncated_completions)
         parts = split_batch(batch, args.steps_per_generation if self.model.training else 1)
         counts = torch.stack([part["completion_mask"].sum() for part in parts]).float()  # (S,)
         counts = self.accelerator.gather(counts).view(self.accelerator.num_processes, -1)  # (P, S)
@@ -350,16 +317,8 @@ class GRPOTrainer(Trainer):
         elif self.toolbox is not None:
             result, completions = self._tool_episodes(prompts, names)
         else:
-            prompt_ids, prompt_mask = rollout.tokenize_prompts(
-                self.processing_class,
-                [rollout.render_prompt(self.processing_class, p, args.chat_template_kwargs) for p in prompts],
-                args.max_prompt_length,
-                device,
-                args.pad_to_multiple_of,
-            )
-            result = self.generate_completions(prompt_ids, prompt_mask)
-            completions = rollout.decode_completions(
-                self.processing_class, result, chat=not isinstance(prompts[0], str)
+            result, completions = rollout.sample_completions(
+                prompts, self.processing_class, self.generate_completions, args, device
             )
         result = padded_to_multiple(result, args.pad_to_multiple_of, self.processing_class.pad_token_id)
         seconds = time.perf_counter() - start
@@ -520,13 +479,11 @@ class GRPOTrainer(Trainer):
         mask = inputs["completion_mask"]  # (B, C)
         if "sampler_logps" in inputs:
             metrics = metrics | sampler_metrics(old, inputs["sampler_logps"], mask, sampler_weights)
-        scalars = {"tokens": mask.sum(), **metrics}
-        values = dict(zip(scalars, torch.stack([v.float() for v in scalars.values()]).tolist(), strict=True))
-        tokens = values.pop("tokens")
-        self.record({k: values.pop(k) for k in list(values) if k in MICRO_STEP_METRICS})
-        if "kl" in values and self.model.training:
-            self._round_kl.append(values["kl"])
-        self.record_token_means(values, tokens)
+        once, means, tokens = micro_step_values(metrics, mask)
+        self.record(once)
+        if "kl" in means and self.model.training:
+            self._round_kl.append(means["kl"])
+        self.record_token_means(means, tokens)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
