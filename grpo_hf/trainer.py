@@ -14,7 +14,10 @@ How one generation round flows through the Trainer's loop:
   methods) a rollout is a multi-turn episode (`multi_turn`): the model's turns and the tool results
   between them, the results masked out of the loss.
 - `compute_loss` is per-token log-probs of the completion tokens plus the pure `grpo_loss`.
-The maths lives in `advantages`, `loss` and `logprobs`; this file only orchestrates.
+- A checkpoint adds the GRPO state (beta, the entropy coefficient, the extra prompt stream's
+  position) and, saved inside a round, the round's remaining micro-batches (`checkpoints`).
+The maths lives in `advantages`, `loss` and `logprobs`, the rest in the modules named above; this
+file only orchestrates.
 """
 
 import functools
@@ -491,7 +494,7 @@ class GRPOTrainer(Trainer):
             loss = self.compute_loss(model, inputs).detach()
         return loss, None, None
 
-    # ---- Adaptive KL -------------------------------------------------------
+    # ---- Adaptive KL --------------------------------------------------------------------------
 
     def _update_adaptive_beta(self) -> None:
         if self.args.target_kl is None or not self._round_kl:
@@ -587,6 +590,7 @@ class GRPOTrainer(Trainer):
         }
 
     def _load_grpo_state(self, state: dict) -> None:
+        """Restore what `_grpo_state` saved."""
         self.beta, self._round_kl = state["beta"], state["round_kl"]
         self.extra_rounds.position = state.get("extra_prompts", 0)  # absent in checkpoints older than it
         self.entropy_control.load_state_dict(state.get("entropy", self.entropy_control.state_dict()))
