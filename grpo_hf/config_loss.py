@@ -1,7 +1,7 @@
 """The loss settings of `GRPOConfig`: the policy term (clipping, loss_type and its variants' knobs,
 masks, entropy bonus), the importance-sampling correction against the sampler, and the KL to the
-reference. TRL 1.16's names and meanings (`grpo_hf/policy_terms.py`, `loss.py`, `masks.py`,
-`sampler_correction.py`, `entropy_control.py`, `reference.py` hold what they do).
+reference. Names and meanings are TRL 1.16's where TRL has the setting (`policy_terms`, `loss`,
+`masks`, `sampler_correction`, `entropy_control` and `reference` implement them).
 
 `GRPOConfig` inherits these fields and calls `_resolve_loss_settings` and `_check_loss_settings` in
 its `__post_init__`; the checks that also read the generation backend (`check_loss_combinations`)

@@ -1,7 +1,7 @@
 """The rollout settings of `GRPOConfig`: what one generation round is made of. The prompts (data,
 padding, chat templates), the sampling, the batch geometry (`steps_per_generation`,
-`generation_batch_size`), the rewards and advantages, dynamic sampling and tool calls. TRL 1.16's
-names and meanings.
+`generation_batch_size`), the rewards and advantages, dynamic sampling and tool calls. Names and
+meanings are TRL 1.16's where TRL has the setting.
 
 Batch sizes count completions, not prompts: `per_device_train_batch_size=8` with
 `num_generations=4` trains on two prompts' groups per device and micro-step. One generation round
