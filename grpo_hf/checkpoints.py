@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import torch
+from accelerate import Accelerator
 from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
 from transformers import TrainerCallback
 
@@ -68,6 +69,42 @@ def read_round(folder: str, process_index: int, device: torch.device) -> list[di
             "num_iterations and number of processes."
         )
     return torch.load(path, map_location=device, weights_only=True)
+
+
+def complete_checkpoint(
+    folder: str, accelerator: Accelerator, state: dict | None, round_rest: list[dict] | None
+) -> None:
+    """Complete a checkpoint folder the Trainer has written: this process's rest of the generation
+    round when it was saved inside one (`round_rest`), then, once every process's files are in, the
+    GRPO state, the completion marker (`state`: None on the processes that do not save)."""
+    if round_rest is not None:
+        write_round(folder, accelerator.process_index, round_rest)
+    accelerator.wait_for_everyone()  # every process's files are in before the marker
+    if state is not None:
+        write_state(folder, state)
+
+
+def read_checkpoint(
+    folder: str, accelerator: Accelerator, gradient_accumulation_steps: int, round_length: int
+) -> tuple[dict, int, list[dict]]:
+    """A checkpoint's GRPO state, the micro-step it was saved after, and this process's rest of the
+    generation round it was saved inside ([] when it was saved at the end of a round)."""
+    state = read_state(folder)
+    with open(os.path.join(folder, "trainer_state.json")) as f:
+        micro_step = json.load(f)["global_step"] * gradient_accumulation_steps
+    inside_round = micro_step % round_length != 0
+    rest = read_round(folder, accelerator.process_index, accelerator.device) if inside_round else []
+    return state, micro_step, rest
+
+
+def checkpoint_to_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | bool | None:
+    """`resume_from_checkpoint` as given, but True is the newest complete checkpoint in output_dir."""
+    if resume_from_checkpoint is not True:
+        return resume_from_checkpoint
+    folder = last_complete_checkpoint(output_dir)
+    if folder is None:
+        raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {output_dir}.")
+    return folder
 
 
 def last_complete_checkpoint(output_dir: str) -> str | None:

@@ -16,6 +16,8 @@ from urllib.parse import urlparse
 import torch
 from transformers import GenerationConfig
 
+from grpo_hf.config_checks import check_choices, check_dicts, check_ranges
+
 logger = logging.getLogger(__name__)
 
 VLLM_MODES = ("colocate", "server")
@@ -169,11 +171,9 @@ class GenerationBackendArguments:
             self.use_transformers_continuous_batching = True
         if self.use_vllm or self.generation_backend == "vllm":
             self.use_vllm, self.generation_backend = True, "vllm"
-        for name in ("generation_kwargs", "transformers_continuous_batching_config", "vllm_engine_kwargs"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
-                raise ValueError(
-                    f"{name} must be a dict (or a JSON object string), not {getattr(self, name)!r}."
-                )
+        check_dicts(
+            self, ("generation_kwargs", "transformers_continuous_batching_config", "vllm_engine_kwargs")
+        )
         self.generation_kwargs = dict(self.generation_kwargs or {})
         if self.use_vllm:
             self._check_vllm()
@@ -198,15 +198,14 @@ class GenerationBackendArguments:
             )
 
     def _check_vllm(self) -> None:
-        for name, allowed in (
-            ("vllm_mode", VLLM_MODES),
-            ("vllm_model_impl", VLLM_MODEL_IMPLS),
-            ("vllm_weight_sync", VLLM_WEIGHT_SYNCS),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not one of {allowed}; set {name} to one of them."
-                )
+        check_choices(
+            self,
+            (
+                ("vllm_mode", VLLM_MODES),
+                ("vllm_model_impl", VLLM_MODEL_IMPLS),
+                ("vllm_weight_sync", VLLM_WEIGHT_SYNCS),
+            ),
+        )
         needs_vllm = self.vllm_mode == "colocate" or self.vllm_weight_sync == "nccl"
         if needs_vllm and importlib.util.find_spec("vllm") is None:
             raise ValueError(
@@ -243,9 +242,7 @@ class GenerationBackendArguments:
                 f"processes ({self.world_size})",
             ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message + ".")
+        check_ranges(checks)
         if self.vllm_enable_sleep_mode and (self.use_cpu or not torch.cuda.is_available()):
             raise ValueError(
                 "vllm_enable_sleep_mode=True: vLLM offers sleep mode on CUDA GPUs only and refuses it on this "

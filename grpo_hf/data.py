@@ -3,14 +3,16 @@
 - `check_prompt_dataset`: a dataset the trainer cannot use fails before any model work, naming
   the column to fix (a dict of eval datasets entry by entry; a stream as far as it can be checked
   without reading it, its rows then by `PromptChecker` as they come, see `streaming`).
-- `check_batching`: dataloader settings a GRPO batch cannot go through, before any model work.
+- `check_batching`: dataloader settings a GRPO batch cannot go through, before any model work
+  (`check_datasets` runs both).
 - `GroupSampler`: each prompt repeated G times, in the same order on every process.
 - `ExtraPrompts` / `extra_prompt_indices`: the prompts of dynamic sampling's extra rounds, a
   second shuffled stream.
 - `keep_rows`: the collator (a batch is its list of rows; a module-level function, so that
   dataloader workers started by spawn or forkserver can unpickle it).
-- `split_batch` / `trim_padding` / `padded_to_multiple`: a generation batch cut into micro-batches
-  with no all-padding columns (or, with `pad_to_multiple_of`, widths kept at multiples).
+- `round_batch` / `split_batch` / `trim_padding` / `padded_to_multiple`: a generation batch's
+  tensors cut into micro-batches with no all-padding columns (or, with `pad_to_multiple_of`,
+  widths kept at multiples).
 """
 
 import logging
@@ -127,6 +129,18 @@ class PromptChecker:
         self.kind = kind
         self.rows += 1
         return row
+
+
+def check_datasets(args, train_dataset, eval_dataset, needs_chat: bool, environments=None) -> None:
+    """Before any model work: the batching settings (`check_batching`) and both datasets
+    (`check_prompt_dataset`; with an `environments.EnvironmentPool` the prompts are optional and it
+    checks the rows' environments)."""
+    check_batching(args, train_dataset)
+    for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        if dataset is not None:
+            check_prompt_dataset(dataset, name, needs_chat, prompt_optional=environments is not None)
+            if environments is not None:
+                environments.check_dataset(dataset, name)
 
 
 def check_batching(args, train_dataset) -> None:
@@ -251,6 +265,26 @@ class ExtraPrompts:
         indices = extra_prompt_indices(len(self.dataset), self.seed, start, count)
         fetched = {i: self.dataset[i] for i in dict.fromkeys(indices)}
         return [fetched[i] for i in indices]
+
+
+def round_batch(result: Rollout, advantages: torch.Tensor, mask_truncated: bool) -> dict[str, torch.Tensor]:
+    """A generation batch's tensors for the loss (before `split_batch`). Its loss mask is the
+    completion mask without tool results (context, not the policy's choice) and, with
+    `mask_truncated` (mask_truncated_completions), without the truncated completions."""
+    loss_mask = result.completion_mask  # (B, C)
+    if mask_truncated:
+        loss_mask = loss_mask * (~result.truncated).unsqueeze(1)
+    if result.tool_mask is not None:
+        loss_mask = loss_mask * (1 - result.tool_mask)
+    batch = {
+        "input_ids": result.input_ids,  # (B, P + C)
+        "attention_mask": result.attention_mask,  # (B, P + C)
+        "completion_mask": loss_mask,  # (B, C)
+        "advantages": advantages,  # (B,)
+    }
+    if result.sampler_logps is not None:
+        batch["sampler_logps"] = result.sampler_logps  # (B, C)
+    return batch
 
 
 def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:

@@ -13,9 +13,10 @@ What is implemented, and where it departs from the paper:
   every process keeps the same groups; the kept groups are then laid out in generation order
   (earliest round first) and each process takes its own contiguous share, as a regular round
   would give it.
-- Extra prompts come from `data.extra_prompt_indices`, a second shuffled stream over the dataset
-  whose position is saved in checkpoints (the paper's code draws further batches from the same
-  dataloader; here the Trainer's epochs and step counts stay those of the regular rounds).
+- Extra prompts come from `data.extra_prompt_indices` (a stream: `streaming.ExtraStreamPrompts`),
+  a second shuffled stream over the dataset read by `ExtraRounds`, whose position is saved in
+  checkpoints (the paper's code draws further batches from the same dataloader; here the
+  Trainer's epochs and step counts stay those of the regular rounds).
 - `max_dynamic_sampling_rounds` caps the extra rounds (the paper's code can also stop with an
   error). When the cap is reached without enough teaching groups, the batch is filled with the
   earliest dropped groups: zero advantage, so they add KL / entropy terms and loss tokens but no
@@ -47,6 +48,23 @@ class ScoredRound:
     seconds: float  # generation time (this process's)
     extra_rows: list[dict]  # per row: the columns reward functions logged with log_extra
     logged_metrics: dict[str, list[float]]  # what reward functions logged with log_metric (this process's)
+
+
+class ExtraRounds:
+    """The prompts of the extra rounds: `source` (`streaming.extra_prompt_source`, None without a
+    train dataset) read from `position` on, which checkpoints save."""
+
+    def __init__(self, source, generation_batch_size: int, num_generations: int):
+        self.source, self.position = source, 0
+        self.num_generations = num_generations
+        self.prompts_per_round = generation_batch_size // num_generations
+
+    def rows(self, share: int, process_index: int) -> list[dict]:
+        """This process's `share` rows of the next extra round: the stream's next prompts, G rows each."""
+        prompts = self.source.take(self.position, self.prompts_per_round)
+        self.position += self.prompts_per_round
+        start = process_index * share
+        return [row for row in prompts for _ in range(self.num_generations)][start : start + share]
 
 
 def select_groups(teaching: list[bool], needed: int) -> tuple[list[int], int]:

@@ -35,7 +35,7 @@ Aggregation over tokens (`POLICY_TERMS[loss_type].aggregation`):
 - `dapo`, `cispo`, `vespo`: sum / active tokens of everything that feeds the same optimizer step
   (DAPO's token-level mean: every micro-batch of that step, on every process). The caller passes
   that count, scaled for gradient accumulation and processes, as `dapo_normalizer`
-  (`GRPOTrainer._dapo_normalizers`); without it the micro-batch's own count is used, which is
+  (`dapo_normalizers`); without it the micro-batch's own count is used, which is
   exact when one micro-batch is the step.
   With no active token at all the loss is 0 (so are its gradients), not NaN; likewise for the others.
 
@@ -203,3 +203,22 @@ def adaptive_beta(beta: float, kl: float, target_kl: float, num_samples: int, ho
     """
     error = min(max(kl / target_kl - 1.0, -0.2), 0.2)
     return beta * (1.0 + error * num_samples / horizon)
+
+
+def dapo_normalizers(token_counts: torch.Tensor, per_step: int) -> list[torch.Tensor]:
+    """Per micro-batch: the DAPO denominator that makes each optimizer step a token mean.
+
+    `token_counts` (P, S): the active tokens of each process's S micro-batches of a round, of which
+    `per_step` in a row feed one optimizer step. The Trainer divides each micro-step's loss by
+    gradient_accumulation_steps and DDP averages over processes, so a micro-batch feeding an
+    optimizer step with n active tokens (summed over that step's micro-batches and every process)
+    divides its token sum by n / (P * GA). With several optimizer steps per round
+    (steps_per_generation = k * GA) each step has its own n; with one round per several steps (GA a
+    multiple of steps_per_generation, `per_step` = S) n is the round's, and the step's gradient is
+    the mean of its rounds' token means. In evaluation (one part per process, `per_step` = 1) n / P
+    makes the mean of the processes' losses the global token mean.
+    """
+    processes, parts = token_counts.shape
+    counts = token_counts.sum(dim=0)  # (S,) over processes
+    totals = counts.view(-1, per_step).sum(dim=1)  # (S / per_step,) active tokens per optimizer step
+    return [totals[i // per_step] / (processes * per_step) for i in range(parts)]

@@ -159,6 +159,19 @@ MICRO_STEP_METRICS = frozenset({"policy_loss", "aux_loss"}) | MAXED_METRICS | MI
 LATEST_METRICS = frozenset({"num_tokens"})
 
 
+def micro_step_values(
+    metrics: dict[str, torch.Tensor], mask: torch.Tensor
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """A micro-step's loss metrics on the host in one transfer (not one `.item()`, a device sync,
+    each): the values recorded once per micro-step (`MICRO_STEP_METRICS`), the per-token means, and
+    the number of tokens of the (B, T) loss mask they are means over."""
+    scalars = {"tokens": mask.sum(), **metrics}
+    values = dict(zip(scalars, torch.stack([v.float() for v in scalars.values()]).tolist(), strict=True))
+    tokens = values.pop("tokens")
+    once = {k: values.pop(k) for k in list(values) if k in MICRO_STEP_METRICS}
+    return once, values, tokens
+
+
 class IntervalMetrics:
     """The metric records of the current logging interval, for "train" and "eval" apart.
 

@@ -183,16 +183,38 @@ def load_policy(
     init_kwargs: dict | None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The policy and its tokenizer: loaded by name with `init_kwargs` (`model_init_kwargs`), or a
-    model given as an object, whose `model_init_kwargs` / `quantization_config` are then ignored."""
+    model given as an object, whose `model_init_kwargs` / `quantization_config` are then ignored.
+    The tokenizer must have a pad token."""
     if isinstance(model, str):
         tokenizer = tokenizer or load_tokenizer(model, **tokenizer_init_kwargs(args))
-        return load_model(model, **init_kwargs), tokenizer
-    if args.model_init_kwargs or "quantization_config" in (init_kwargs or {}):
-        logger.warning(
-            "The model was passed as an object: model_init_kwargs and quantization_config, which apply to a "
-            "model given by name, are not used here."
+        model = load_model(model, **init_kwargs)
+    else:
+        if args.model_init_kwargs or "quantization_config" in (init_kwargs or {}):
+            logger.warning(
+                "The model was passed as an object: model_init_kwargs and quantization_config, which apply to a "
+                "model given by name, are not used here."
+            )
+        tokenizer = tokenizer or load_tokenizer(model.name_or_path, **tokenizer_init_kwargs(args))
+    if tokenizer.pad_token_id is None:
+        raise ValueError(
+            "The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos_token) and pass it "
+            "as processing_class."
         )
-    return model, tokenizer or load_tokenizer(model.name_or_path, **tokenizer_init_kwargs(args))
+    return model, tokenizer
+
+
+def prepare_policy(model: PreTrainedModel, args, peft_config: PeftConfig | None) -> nn.Module:
+    """The policy made ready to train as a `GRPOConfig` asks: dropout off, the PEFT adapters of
+    `peft_config`, a float32 LM head."""
+    if args.disable_dropout:
+        disable_dropout(model)
+    if peft_config is not None:
+        model = wrap_with_peft(model, peft_config, args.gradient_checkpointing)
+    if args.sync_ref_model and peft_config is not None:
+        raise ValueError("sync_ref_model needs a copied reference; with peft_config the base model is it.")
+    if args.cast_lm_head_to_fp32:
+        cast_lm_head_to_fp32(model)
+    return model
 
 
 def _bad_setting(name_or_path: str, problem: str) -> str:

@@ -6,17 +6,29 @@
 - A PEFT policy: the base model with the adapters disabled. No second copy of the weights exists.
 - Otherwise: a frozen deep copy of the policy at the start of training.
 
+`load_reference` is the trainer's entry: a reference given by name is loaded as the policy was,
+and the reference is placed like the policy (`sharding.prepare_reference`).
+
 `sync_ref_model` moves a copied reference towards the policy every `ref_model_sync_steps`
-optimizer steps: ref <- alpha * policy + (1 - alpha) * ref (TR-DPO, arXiv 2404.09656).
+optimizer steps: ref <- alpha * policy + (1 - alpha) * ref (TR-DPO, arXiv 2404.09656; the
+`ReferenceSync` callback).
 """
 
 import contextlib
 import copy
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 
 import torch
+from accelerate import Accelerator
 from peft import PeftModel
 from torch import nn
+from transformers import PreTrainedModel, TrainerCallback
+
+from grpo_hf.models import cast_lm_head_to_fp32, load_model, reference_init_kwargs
+from grpo_hf.sharding import parameters_for_mixing, prepare_reference, zero3_partitioned
+
+logger = logging.getLogger(__name__)
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -68,3 +80,45 @@ def mix_into_reference(ref_model: nn.Module, policy: nn.Module, alpha: float) ->
     """ref <- alpha * policy + (1 - alpha) * ref, parameter by parameter."""
     for ref_param, param in zip(ref_model.parameters(), policy.parameters(), strict=True):
         ref_param.mul_(1.0 - alpha).add_(param.detach().to(ref_param.dtype), alpha=alpha)
+
+
+def load_reference(
+    accelerator: Accelerator,
+    policy: nn.Module,
+    args,
+    ref_model: str | PreTrainedModel | None,
+    lora: bool,
+    init_kwargs: dict,
+) -> nn.Module | None:
+    """The frozen reference of a `GRPOConfig` run (None when beta = 0 or with LoRA), prepared like
+    the policy; one loaded by name as the policy was (`models.reference_init_kwargs`)."""
+    if ref_model is None and args.beta > 0 and not lora and zero3_partitioned(policy) and policy.name_or_path:
+        # ZeRO-3 partitioned the policy as it loaded (zero.Init): load the reference the same way.
+        logger.info(
+            "ZeRO-3: loading the reference from %s instead of copying the policy.", policy.name_or_path
+        )
+        ref_model = policy.name_or_path
+    if isinstance(ref_model, str):
+        unwrapped = accelerator.unwrap_model(policy)
+        ref_model = load_model(ref_model, **reference_init_kwargs(args, init_kwargs, unwrapped))
+    if ref_model is not None and args.cast_lm_head_to_fp32:
+        cast_lm_head_to_fp32(ref_model)
+    reference = build_reference(policy, args.beta, ref_model)
+    return None if reference is None else prepare_reference(accelerator, reference, policy)
+
+
+class ReferenceSync(TrainerCallback):
+    """After every `ref_model_sync_steps`-th optimizer step with `sync_ref_model`: mix the policy
+    (`policy()`, the trainer's current model) into the reference (TR-DPO)."""
+
+    def __init__(
+        self, accelerator: Accelerator, policy: Callable[[], nn.Module], ref_model: nn.Module | None
+    ):
+        self.accelerator, self.policy, self.ref_model = accelerator, policy, ref_model
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.sync_ref_model and state.global_step % args.ref_model_sync_steps == 0:
+            ref = self.accelerator.unwrap_model(self.ref_model)
+            policy = self.accelerator.unwrap_model(self.policy())
+            with parameters_for_mixing(self.accelerator, ref, policy):
+                mix_into_reference(ref, policy, args.ref_model_mixup_alpha)

@@ -162,6 +162,23 @@ def decode_completions(tokenizer: PreTrainedTokenizerBase, result: Rollout, chat
     return [[{"role": "assistant", "content": text}] for text in texts] if chat else texts
 
 
+def sample_completions(
+    prompts: list,
+    tokenizer: PreTrainedTokenizerBase,
+    generate: Callable[[torch.Tensor, torch.Tensor], Rollout],
+    args,
+    device: torch.device,
+) -> tuple[Rollout, list]:
+    """One completion per prompt (text or chat) from `generate(prompt_ids, prompt_mask)`: the prompts
+    rendered, tokenized and left-padded as a `GRPOConfig` says, the completions decoded."""
+    rendered = [render_prompt(tokenizer, p, args.chat_template_kwargs) for p in prompts]
+    prompt_ids, prompt_mask = tokenize_prompts(
+        tokenizer, rendered, args.max_prompt_length, device, args.pad_to_multiple_of
+    )
+    result = generate(prompt_ids, prompt_mask)
+    return result, decode_completions(tokenizer, result, chat=not isinstance(prompts[0], str))
+
+
 def completion_mask_after_eos(
     completion_ids: torch.Tensor, eos_token_ids: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -109,6 +109,22 @@ def reward_functions(
     ]
 
 
+def reward_setup(
+    reward_funcs: RewardFunc | str | PreTrainedModel | list | None,
+    tokenizers: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase | None] | None,
+    reward_weights: list[float] | None,
+    environment_rewards: list[RewardFunc],
+    **loading,
+) -> tuple[list[RewardFunc | RewardModel], list[PreTrainedTokenizerBase | None], torch.Tensor]:
+    """The run's reward functions (`reward_functions`; the environments' after them, weight 1 each,
+    as in TRL), one tokenizer entry each (`reward_tokenizers`; None for the environments'), and the
+    (F,) weights."""
+    funcs = reward_functions(reward_funcs, tokenizers, reward_weights, **loading)
+    tokenizers = reward_tokenizers(funcs, tokenizers) + [None] * len(environment_rewards)
+    weights = (reward_weights or [1.0] * len(funcs)) + [1.0] * len(environment_rewards)
+    return funcs + environment_rewards, tokenizers, torch.tensor(weights, dtype=torch.float32)
+
+
 def reward_tokenizers(
     funcs: list[RewardFunc | RewardModel],
     tokenizers: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase | None] | None,

@@ -14,11 +14,13 @@ How one generation round flows through the Trainer's loop:
   methods) a rollout is a multi-turn episode (`multi_turn`): the model's turns and the tool results
   between them, the results masked out of the loss.
 - `compute_loss` is per-token log-probs of the completion tokens plus the pure `grpo_loss`.
-The maths lives in `advantages`, `loss` and `logprobs`; this file only orchestrates.
+- A checkpoint adds the GRPO state (beta, the entropy coefficient, the extra prompt stream's
+  position) and, saved inside a round, the round's remaining micro-batches (`checkpoints`).
+The maths lives in `advantages`, `loss` and `logprobs`, the rest in the modules named above; this
+file only orchestrates.
 """
 
 import functools
-import json
 import logging
 import os
 import time
@@ -29,12 +31,7 @@ from datasets import Dataset, IterableDataset
 from peft import PeftConfig
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
-from transformers import (
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    Trainer,
-    TrainerCallback,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
 from transformers.trainer_utils import rotate_checkpoints
 
 from grpo_hf import rollout
@@ -42,26 +39,24 @@ from grpo_hf.advantages import aggregate_rewards, compute_advantages
 from grpo_hf.checkpoints import (
     NonFiniteGuard,
     SaveOnInterrupt,
-    last_complete_checkpoint,
-    read_round,
-    read_state,
-    write_round,
-    write_state,
+    checkpoint_to_resume,
+    complete_checkpoint,
+    read_checkpoint,
 )
 from grpo_hf.completion_logs import CompletionLog, completion_rows
 from grpo_hf.config import GRPOConfig, default_output_dir
 from grpo_hf.data import (
     GroupSampler,
-    check_batching,
-    check_prompt_dataset,
+    check_datasets,
     is_stream,
     keep_rows,
     padded_to_multiple,
+    round_batch,
     split_batch,
     trim_padding,
 )
-from grpo_hf.dynamic_sampling import ScoredRound, gather_round, sample_teaching_groups
-from grpo_hf.engine import native_bf16
+from grpo_hf.dynamic_sampling import ExtraRounds, ScoredRound, gather_round, sample_teaching_groups
+from grpo_hf.engine import precision_line
 from grpo_hf.engine.generation import build_generator, sampling_settings
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.entropy_control import EntropyCoefficient
@@ -72,48 +67,27 @@ from grpo_hf.environments import (
     check_reward_source,
     train_dataset_or_placeholder,
 )
-from grpo_hf.loss import LOSS_SETTINGS, adaptive_beta, grpo_loss
+from grpo_hf.loss import LOSS_SETTINGS, adaptive_beta, dapo_normalizers, grpo_loss
 from grpo_hf.masks import gather_ragged, policy_weights
-from grpo_hf.metrics import MICRO_STEP_METRICS, IntervalMetrics, StepTimer, round_metrics
-from grpo_hf.models import (
-    cast_lm_head_to_fp32,
-    disable_dropout,
-    load_model,
-    load_policy,
-    model_init_kwargs,
-    reference_init_kwargs,
-    reward_model_loading,
-    wrap_with_peft,
-)
+from grpo_hf.metrics import IntervalMetrics, StepTimer, micro_step_values, round_metrics
+from grpo_hf.models import load_policy, model_init_kwargs, prepare_policy, reward_model_loading
 from grpo_hf.moe import RouterAuxLoss
 from grpo_hf.multi_turn import episode_counts, tool_episodes, tool_metrics
-from grpo_hf.reference import build_reference, mix_into_reference, reference_context
+from grpo_hf.reference import ReferenceSync, load_reference, reference_context
 from grpo_hf.reward_outputs import RewardLogs
 from grpo_hf.rollout_func import RolloutFunc, call_rollout_func
 from grpo_hf.sampler_correction import sampler_correction, sampler_metrics
 from grpo_hf.scoring import (
     RewardFunc,
     RewardModel,
-    reward_functions,
     reward_name,
-    reward_tokenizers,
+    reward_setup,
     score_completions,
 )
-from grpo_hf.sharding import parameters_for_mixing, prepare_reference, zero3_partitioned
 from grpo_hf.streaming import extra_prompt_source, group_stream, read_in_process
 from grpo_hf.tools import Toolbox, check_tool_call_format
 
 logger = logging.getLogger(__name__)
-
-
-class _ReferenceSync(TrainerCallback):
-    """Calls `GRPOTrainer.sync_reference` after every optimizer step."""
-
-    def __init__(self, trainer: "GRPOTrainer"):
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.sync_reference()
 
 
 class GRPOTrainer(Trainer):
@@ -145,50 +119,22 @@ class GRPOTrainer(Trainer):
         if eval_dataset is not None:
             args.check_eval_batch()
         train_dataset = train_dataset_or_placeholder(train_dataset, pool, args)
-        check_batching(args, train_dataset)
-        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            if dataset is not None:
-                check_prompt_dataset(
-                    dataset, name, needs_chat=bool(tools or pool), prompt_optional=bool(pool)
-                )
-                if pool is not None:
-                    pool.check_dataset(dataset, name)
-        toolbox = Toolbox(tools, pool.probes if pool else None)
-        self.toolbox, self.tools = (toolbox if toolbox.tools else None), toolbox.tools
-        if rollout_func is not None and self.toolbox is not None:
-            raise ValueError(
-                "rollout_func and tools / environment_factory both make the completions; pass one."
-            )
-        self.rollout_func = rollout_func
-        self.environments: list | None = None  # the environments of the latest rollouts (TRL's attribute)
+        check_datasets(args, train_dataset, eval_dataset, needs_chat=bool(tools or pool), environments=pool)
+        self._set_rollout_sources(tools, rollout_func)
         init_kwargs = model_init_kwargs(args, quantization_config)
-        self.reward_funcs = reward_functions(
-            reward_funcs, reward_processing_classes, args.reward_weights, **reward_model_loading(args)
+        self.reward_funcs, self.reward_processing_classes, self.reward_weights = reward_setup(
+            reward_funcs,
+            reward_processing_classes,
+            args.reward_weights,
+            pool.reward_functions() if pool else [],
+            **reward_model_loading(args),
         )
-        self.reward_processing_classes = reward_tokenizers(self.reward_funcs, reward_processing_classes)
-        weights = args.reward_weights or [1.0] * len(self.reward_funcs)
-        self.reward_funcs += pool.reward_functions() if pool else []  # weight 1 each, as in TRL
-        self.reward_processing_classes += [None] * (len(self.reward_funcs) - len(weights))
         self.reward_func_names = [reward_name(func) for func in self.reward_funcs]
         check_reward_source(self.reward_funcs)
         model, processing_class = load_policy(model, processing_class, args, init_kwargs)
-        if processing_class.pad_token_id is None:
-            raise ValueError(
-                "The tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos_token) and pass it "
-                "as processing_class."
-            )
         if self.toolbox is not None:
             check_tool_call_format(processing_class)
-        if args.disable_dropout:
-            disable_dropout(model)
-        if peft_config is not None:
-            model = wrap_with_peft(model, peft_config, args.gradient_checkpointing)
-        if args.sync_ref_model and peft_config is not None:
-            raise ValueError(
-                "sync_ref_model needs a copied reference; with peft_config the base model is it."
-            )
-        if args.cast_lm_head_to_fp32:
-            cast_lm_head_to_fp32(model)
+        model = prepare_policy(model, args, peft_config)
         self.router_aux = RouterAuxLoss(model, args.router_aux_loss_coef)
         super().__init__(
             model=model,
@@ -200,24 +146,47 @@ class GRPOTrainer(Trainer):
             **kwargs,
         )
         self.loss_is_scaled_for_ga = False  # the Trainer divides our loss by the accumulation steps
-        self.ref_model = self._build_reference(ref_model, peft_config is not None, init_kwargs)
+        lora = peft_config is not None
+        self.ref_model = load_reference(self.accelerator, self.model, args, ref_model, lora, init_kwargs)
         for reward in self.reward_funcs:
             if isinstance(reward, RewardModel):
                 reward.model = self.accelerator.prepare_model(reward.model, evaluation_mode=True)
-        self._log_precision()
+        line = precision_line(args.precision, args.bf16, use_cpu=args.device.type == "cpu")
+        if line is not None and self.accelerator.is_main_process:
+            logger.warning(line)
+        self._set_up_generation(processing_class)
+        self._set_up_training_state(args)
+
+    def _set_rollout_sources(self, tools: list[Callable] | None, rollout_func: RolloutFunc | None) -> None:
+        """What makes the completions besides the policy: tools (given, or the environments' methods)
+        for multi-turn episodes, or the user's rollout_func."""
+        pool = self.environment_pool
+        toolbox = Toolbox(tools, pool.probes if pool else None)
+        self.toolbox, self.tools = (toolbox if toolbox.tools else None), toolbox.tools
+        if rollout_func is not None and self.toolbox is not None:
+            raise ValueError(
+                "rollout_func and tools / environment_factory both make the completions; pass one."
+            )
+        self.rollout_func = rollout_func
+        self.environments: list | None = None  # the environments of the latest rollouts (TRL's attribute)
+
+    def _set_up_generation(self, processing_class: PreTrainedTokenizerBase) -> None:
+        """The sampling settings and the generator (`engine.generation.build_generator`)."""
         self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
-        self.sampling = sampling_settings(args, self.eos_token_ids, processing_class.pad_token_id)
+        self.sampling = sampling_settings(self.args, self.eos_token_ids, processing_class.pad_token_id)
         self.generator = build_generator(
-            args,
+            self.args,
             self.accelerator,
             self.model,
             lambda: self.accelerator.unwrap_model(self.model),
             processing_class,
             sharded=self.is_fsdp_enabled or self.is_deepspeed_enabled,
         )
-        self.reward_weights = torch.tensor(
-            weights + [1.0] * (len(self.reward_funcs) - len(weights)), dtype=torch.float32
-        )
+
+    def _set_up_training_state(self, args: GRPOConfig) -> None:
+        """The loss's settings, what moves during training (beta, the entropy coefficient, the
+        position in a generation round and in the extra prompt stream; checkpointed), the metrics,
+        and the callbacks."""
         self.beta = args.beta
         self.loss_settings = {name: getattr(args, name) for name in LOSS_SETTINGS}
         self.sampler_correction = sampler_correction(args)
@@ -227,38 +196,17 @@ class GRPOTrainer(Trainer):
         self.add_callback(self.entropy_control)
         self._micro_step = 0
         self._buffer: list[dict] = []
-        self._extra_prompts = 0  # position in dynamic sampling's extra prompt stream (checkpointed)
-        self._extra_source = extra_prompt_source(self.train_dataset, args.seed, self.toolbox is not None)
+        source = extra_prompt_source(self.train_dataset, args.seed, self.toolbox is not None)
+        self.extra_rounds = ExtraRounds(source, args.generation_batch_size, args.num_generations)
         self._round_kl: list[float] = []
         self.metrics = IntervalMetrics()
         self._eval_prefix = "eval"  # the running evaluation's metric prefix (`evaluate`)
         self.add_callback(StepTimer(self.record))
         self.add_callback(self.completion_log)
         self.add_callback(NonFiniteGuard(self.record))
-        self.add_callback(_ReferenceSync(self))
+        self.add_callback(ReferenceSync(self.accelerator, lambda: self.model, self.ref_model))
         self.interrupt = SaveOnInterrupt()
         self.add_callback(self.interrupt)
-
-    def _build_reference(
-        self, ref_model: str | PreTrainedModel | None, lora: bool, init_kwargs: dict
-    ) -> nn.Module | None:
-        """The frozen reference (None when beta = 0 or with LoRA), prepared like the policy; one loaded
-        by name as the policy was (`models.reference_init_kwargs`)."""
-        partitioned = zero3_partitioned(self.model)
-        if ref_model is None and self.args.beta > 0 and not lora and partitioned and self.model.name_or_path:
-            # ZeRO-3 partitioned the policy as it loaded (zero.Init): load the reference the same way.
-            logger.info(
-                "ZeRO-3: loading the reference from %s instead of copying the policy.",
-                self.model.name_or_path,
-            )
-            ref_model = self.model.name_or_path
-        if isinstance(ref_model, str):
-            policy = self.accelerator.unwrap_model(self.model)
-            ref_model = load_model(ref_model, **reference_init_kwargs(self.args, init_kwargs, policy))
-        if ref_model is not None and self.args.cast_lm_head_to_fp32:
-            cast_lm_head_to_fp32(ref_model)
-        reference = build_reference(self.model, self.args.beta, ref_model)
-        return None if reference is None else prepare_reference(self.accelerator, reference, self.model)
 
     # ---- Data ---------------------------------------------------------------------------------
 
@@ -307,20 +255,6 @@ class GRPOTrainer(Trainer):
         """remove_unused_columns=True keeps only 'prompt' (the model's forward takes no dataset column)."""
         self._signature_columns = ["prompt"]
 
-    def _log_precision(self) -> None:
-        """Say which precision precision='auto' chose, or that an explicit --bf16 will be emulated."""
-        native, line = native_bf16(use_cpu=self.args.device.type == "cpu")
-        if not self.accelerator.is_main_process:
-            return
-        if self.args.precision == "auto":
-            logger.warning(line)
-        elif self.args.bf16 and not native:
-            logger.warning(
-                "--bf16 is set but bf16 is not native here (%s): its matmuls are emulated, several times "
-                "slower than float32. Set precision='auto' (or drop --bf16) to train in float32.",
-                line.split(", ", 1)[1],
-            )
-
     # ---- Generation round ---------------------------------------------------------------------
 
     def _prepare_inputs(self, inputs: list[dict]) -> dict[str, torch.Tensor]:
@@ -350,51 +284,23 @@ class GRPOTrainer(Trainer):
         scored = self._sample_and_score(rows)
         if args.dynamic_sampling and self.model.training:
             scored = self._dynamically_sampled(scored)
-        result = scored.result
         all_rewards, aggregated, all_advantages = self._advantages(scored.rewards_per_func)
         start = self.accelerator.process_index * len(scored.prompts)
         advantages = all_advantages[start : start + len(scored.prompts)]  # (B,) this process's rows
-        loss_mask = result.completion_mask  # (B, C)
-        if args.mask_truncated_completions:
-            loss_mask = loss_mask * (~result.truncated).unsqueeze(1)
-        if result.tool_mask is not None:  # tool results: context, not the policy's choice
-            loss_mask = loss_mask * (1 - result.tool_mask)
         self._record_round(scored, all_rewards, aggregated, all_advantages)
         if args.log_completions:
             rows = completion_rows(scored, self.reward_func_names, self.reward_weights, advantages)
             self.completion_log.record(rows)
-        batch = {
-            "input_ids": result.input_ids,
-            "attention_mask": result.attention_mask,
-            "completion_mask": loss_mask,
-            "advantages": advantages,
-        }
-        if result.sampler_logps is not None:
-            batch["sampler_logps"] = result.sampler_logps
+        batch = round_batch(scored.result, advantages, args.mask_truncated_completions)
         parts = split_batch(batch, args.steps_per_generation if self.model.training else 1)
-        normalizers = self._dapo_normalizers([part["completion_mask"] for part in parts])
+        counts = torch.stack([part["completion_mask"].sum() for part in parts]).float()  # (S,)
+        counts = self.accelerator.gather(counts).view(self.accelerator.num_processes, -1)  # (P, S)
+        per_step = min(args.gradient_accumulation_steps, len(parts)) if self.model.training else 1
+        normalizers = dapo_normalizers(counts, per_step)
         return [
             self._complete_micro_batch(part, normalizer)
             for part, normalizer in zip(parts, normalizers, strict=True)
         ]
-
-    def _dapo_normalizers(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per micro-batch: the DAPO denominator that makes each optimizer step a token mean.
-
-        The Trainer divides each micro-step's loss by gradient_accumulation_steps and DDP averages
-        over processes, so a micro-batch feeding an optimizer step with n active tokens (summed over
-        that step's micro-batches and every process) divides its token sum by n / (P * GA). With
-        several optimizer steps per round (steps_per_generation = k * GA) each step has its own n;
-        with one round per several steps (GA a multiple of steps_per_generation) n is the round's,
-        and the step's gradient is the mean of its rounds' token means. In evaluation (one part per
-        process) n / P makes the mean of the processes' losses the global token mean.
-        """
-        processes = self.accelerator.num_processes
-        counts = torch.stack([mask.sum() for mask in masks]).float()  # (S,)
-        counts = self.accelerator.gather(counts).view(processes, -1).sum(dim=0)  # (S,) over processes
-        per_step = min(self.args.gradient_accumulation_steps, len(masks)) if self.model.training else 1
-        totals = counts.view(-1, per_step).sum(dim=1)  # (S / per_step,) active tokens per optimizer step
-        return [totals[i // per_step] / (processes * per_step) for i in range(len(masks))]
 
     def _sample_and_score(self, rows: list[dict]) -> ScoredRound:
         """Generate one completion per row (rows repeat each prompt G times) and score them."""
@@ -414,16 +320,8 @@ class GRPOTrainer(Trainer):
         elif self.toolbox is not None:
             result, completions = self._tool_episodes(prompts, names)
         else:
-            prompt_ids, prompt_mask = rollout.tokenize_prompts(
-                self.processing_class,
-                [rollout.render_prompt(self.processing_class, p, args.chat_template_kwargs) for p in prompts],
-                args.max_prompt_length,
-                device,
-                args.pad_to_multiple_of,
-            )
-            result = self.generate_completions(prompt_ids, prompt_mask)
-            completions = rollout.decode_completions(
-                self.processing_class, result, chat=not isinstance(prompts[0], str)
+            result, completions = rollout.sample_completions(
+                prompts, self.processing_class, self.generate_completions, args, device
             )
         result = padded_to_multiple(result, args.pad_to_multiple_of, self.processing_class.pad_token_id)
         seconds = time.perf_counter() - start
@@ -473,7 +371,9 @@ class GRPOTrainer(Trainer):
         weights = self.reward_weights.to(first.rewards_per_func.device)
         scored, metrics = sample_teaching_groups(
             first,
-            sample_more=lambda: self._sample_and_score(self._extra_prompt_rows(len(first.prompts))),
+            sample_more=lambda: self._sample_and_score(
+                self.extra_rounds.rows(len(first.prompts), self.accelerator.process_index)
+            ),
             gather=lambda scored: gather_round(self.accelerator, scored, self.processing_class.pad_token_id),
             combine=lambda rewards_per_func: aggregate_rewards(
                 rewards_per_func, weights, args.num_generations, args.multi_objective_aggregation
@@ -485,15 +385,6 @@ class GRPOTrainer(Trainer):
         )
         self.record(metrics)
         return scored
-
-    def _extra_prompt_rows(self, share: int) -> list[dict]:
-        """This process's rows of one extra round: the extra stream's next prompts, G rows each."""
-        args = self.args
-        count = args.generation_batch_size // args.num_generations
-        prompts = self._extra_source.take(self._extra_prompts, count)
-        self._extra_prompts += count
-        start = self.accelerator.process_index * share
-        return [row for row in prompts for _ in range(args.num_generations)][start : start + share]
 
     def _complete_micro_batch(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> dict:
         """Trim padding and add old / reference log-probs (no grad, once per round)."""
@@ -591,13 +482,11 @@ class GRPOTrainer(Trainer):
         mask = inputs["completion_mask"]  # (B, C)
         if "sampler_logps" in inputs:
             metrics = metrics | sampler_metrics(old, inputs["sampler_logps"], mask, sampler_weights)
-        scalars = {"tokens": mask.sum(), **metrics}
-        values = dict(zip(scalars, torch.stack([v.float() for v in scalars.values()]).tolist(), strict=True))
-        tokens = values.pop("tokens")
-        self.record({k: values.pop(k) for k in list(values) if k in MICRO_STEP_METRICS})
-        if "kl" in values and self.model.training:
-            self._round_kl.append(values["kl"])
-        self.record_token_means(values, tokens)
+        once, means, tokens = micro_step_values(metrics, mask)
+        self.record(once)
+        if "kl" in means and self.model.training:
+            self._round_kl.append(means["kl"])
+        self.record_token_means(means, tokens)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -605,7 +494,7 @@ class GRPOTrainer(Trainer):
             loss = self.compute_loss(model, inputs).detach()
         return loss, None, None
 
-    # ---- Adaptive KL and reference sync -------------------------------------------------------
+    # ---- Adaptive KL --------------------------------------------------------------------------
 
     def _update_adaptive_beta(self) -> None:
         if self.args.target_kl is None or not self._round_kl:
@@ -617,15 +506,6 @@ class GRPOTrainer(Trainer):
             self.beta, kl, self.args.target_kl, self.args.generation_batch_size, self.args.kl_horizon
         )
         self._round_kl = []
-
-    def sync_reference(self) -> None:
-        """Reference sync (TR-DPO) every ref_model_sync_steps optimizer steps."""
-        args = self.args
-        if args.sync_ref_model and self.state.global_step % args.ref_model_sync_steps == 0:
-            ref = self.accelerator.unwrap_model(self.ref_model)
-            policy = self.accelerator.unwrap_model(self.model)
-            with parameters_for_mixing(self.accelerator, ref, policy):
-                mix_into_reference(ref, policy, args.ref_model_mixup_alpha)
 
     # ---- Metrics ------------------------------------------------------------------------------
 
@@ -676,36 +556,41 @@ class GRPOTrainer(Trainer):
             self.args.save_total_limit = limit
         run_dir = self._get_output_dir(trial)
         folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
-        if self._micro_step % self.round_length:
-            write_round(folder, self.accelerator.process_index, self._buffer)
-        self.accelerator.wait_for_everyone()  # every process's files are in before the marker
+        round_rest = self._buffer if self._micro_step % self.round_length else None
+        complete_checkpoint(
+            folder, self.accelerator, self._grpo_state() if self.args.should_save else None, round_rest
+        )
         if self.args.should_save:
-            state = {"beta": self.beta, "round_kl": self._round_kl, "extra_prompts": self._extra_prompts}
-            write_state(folder, state | {"entropy": self.entropy_control.state_dict()})
             rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        """Train; when resuming, restore the adaptive beta and the position in the generation round.
+        """Train; when resuming, restore the GRPO state and the position in the generation round.
 
         `resume_from_checkpoint=True` takes the newest complete checkpoint in output_dir.
         """
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(
-                    f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir}."
-                )
+        resume_from_checkpoint = checkpoint_to_resume(resume_from_checkpoint, self.args.output_dir)
         if resume_from_checkpoint:
-            state = read_state(resume_from_checkpoint)
-            self.beta, self._round_kl = state["beta"], state["round_kl"]
-            self._extra_prompts = state.get("extra_prompts", 0)  # absent in checkpoints older than it
-            self.entropy_control.load_state_dict(state.get("entropy", self.entropy_control.state_dict()))
-            with open(os.path.join(resume_from_checkpoint, "trainer_state.json")) as f:
-                step = json.load(f)["global_step"]
-            self._micro_step = step * self.args.gradient_accumulation_steps
-            if self._micro_step % self.round_length:
-                self._buffer = read_round(
-                    resume_from_checkpoint, self.accelerator.process_index, self.accelerator.device
-                )
+            state, self._micro_step, self._buffer = read_checkpoint(
+                resume_from_checkpoint,
+                self.accelerator,
+                self.args.gradient_accumulation_steps,
+                self.round_length,
+            )
+            self._load_grpo_state(state)
         with self.interrupt.catching_signals():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _grpo_state(self) -> dict:
+        """What a checkpoint holds of the trainer besides the Trainer's files (`checkpoints.write_state`)."""
+        return {
+            "beta": self.beta,
+            "round_kl": self._round_kl,
+            "extra_prompts": self.extra_rounds.position,
+            "entropy": self.entropy_control.state_dict(),
+        }
+
+    def _load_grpo_state(self, state: dict) -> None:
+        """Restore what `_grpo_state` saved."""
+        self.beta, self._round_kl = state["beta"], state["round_kl"]
+        self.extra_rounds.position = state.get("extra_prompts", 0)  # absent in checkpoints older than it
+        self.entropy_control.load_state_dict(state.get("entropy", self.entropy_control.state_dict()))

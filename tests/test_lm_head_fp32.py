@@ -147,7 +147,7 @@ def test_training_with_a_float32_head_under_bf16(tmp_path, monkeypatch):
         train_dataset=chat_dataset(),
         processing_class=tiny_tokenizer(),
     )
-    copy = trainer.generation_copy.model
+    copy = trainer.generator.copy.model  # the bf16 generation copy the local generator samples from
     assert (
         copy.model.embed_tokens.weight.dtype == torch.bfloat16 and copy.lm_head.weight.dtype == torch.float32
     )

@@ -189,7 +189,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
             raise OSError("disk full")
         real_write(folder, state)
 
-    monkeypatch.setattr("grpo_hf.trainer.write_state", crash_on_second)
+    monkeypatch.setattr("grpo_hf.checkpoints.write_state", crash_on_second)
     with pytest.raises(OSError, match="disk full"):
         trainer.train()
     assert os.path.isfile(tmp_path / "checkpoint-1" / STATE_FILE)  # not rotated away

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+from test_trainer import StopAfter
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
-from transformers import TrainerCallback
 
 from grpo_hf.data import PromptChecker
 from grpo_hf.streaming import ExtraStreamPrompts, GroupStream
@@ -39,17 +39,6 @@ class RecordingTrainer(FixedCompletionsTrainer):
     def _sample_and_score(self, rows):
         self.rounds["train" if self.model.training else "eval"].append([int(r["answer"]) // 2 for r in rows])
         return super()._sample_and_score(rows)
-
-
-class StopAfter(TrainerCallback):
-    """Simulates an interruption: training stops (after saving) at the given step."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def make_trainer(tmp_path, train_dataset, eval_dataset=None, reward=length_reward, **overrides):
@@ -325,7 +314,7 @@ def test_dynamic_sampling_draws_extra_prompts_from_the_stream(tmp_path):
     trainer.train()
     extra = [entry["dynamic_sampling/extra_rounds"] for entry in trainer.state.log_history if "loss" in entry]
     assert sum(extra) > 0
-    assert trainer._extra_prompts == 2 * sum(extra)  # 2 prompts per extra round
+    assert trainer.extra_rounds.position == 2 * sum(extra)  # 2 prompts per extra round
     rounds = trainer.rounds["train"]
     assert len(rounds) == 2 + sum(extra)  # each step: one regular round, then its extra rounds
     extra_rounds = rounds[1 : 1 + int(extra[0])] + rounds[2 + int(extra[0]) :]

@@ -32,3 +32,17 @@ def native_bf16(use_cpu: bool) -> tuple[bool, str]:
     if cpu.native_bf16():
         return True, f"precision: bf16, this CPU ({capability}) has AVX-512-BF16 or AMX"
     return False, f"precision: fp32, this CPU ({capability}) has no native bf16"
+
+
+def precision_line(precision: str | None, bf16: bool, use_cpu: bool) -> str | None:
+    """The line to log at start: the precision precision='auto' chose, or that an explicit --bf16 is
+    emulated here; None when there is nothing to say."""
+    native, line = native_bf16(use_cpu)
+    if precision == "auto":
+        return line
+    if bf16 and not native:
+        return (
+            f"--bf16 is set but bf16 is not native here ({line.split(', ', 1)[1]}): its matmuls are emulated, "
+            "several times slower than float32. Set precision='auto' (or drop --bf16) to train in float32."
+        )
+    return None
