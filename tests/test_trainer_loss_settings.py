@@ -12,19 +12,18 @@ from trainer_helpers import chat_dataset, make_config
 from grpo_hf.checkpoints import read_state
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.loss import grpo_loss
+from grpo_hf.sampler_correction import sampler_correction
 
 LENGTHS = [3, 4, 5, 6, 6, 7, 8, 9]  # completion tokens per row, EOS included; reward = tokens
 
 
-def recorded_run(tmp_path, trainer_class=RecordingLossTrainer, args_hook=None, **settings):
+def recorded_run(tmp_path, trainer_class=RecordingLossTrainer, trainer_hook=None, **settings):
     """Two micro-batches of 4 per step, two steps, unless `settings` say otherwise."""
     defaults = dict(
         per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=2, max_completion_length=10,
         learning_rate=0.03, beta=0.0,
     )  # fmt: skip
     args = make_config(tmp_path, **(defaults | settings))
-    if args_hook:
-        args_hook(args)
     trainer = trainer_class(
         model=peaky_llama(),
         reward_funcs=token_count_reward,
@@ -33,6 +32,8 @@ def recorded_run(tmp_path, trainer_class=RecordingLossTrainer, args_hook=None, *
         processing_class=tiny_tokenizer(),
     )
     trainer.lengths, trainer.calls = LENGTHS, []
+    if trainer_hook:
+        trainer_hook(trainer)
     trainer.train()
     return trainer
 
@@ -93,14 +94,18 @@ class SamplerLogpsTrainer(RecordingLossTrainer):
         return result
 
 
-def use_vllm(args) -> None:
-    args.generation_backend = "vllm"  # the vLLM backend's contract after __post_init__
+def as_if_vllm_generated(trainer) -> None:
+    """The loss side of vLLM generation without an engine (the completions and sampler log-probs come
+    from SamplerLogpsTrainer): after __post_init__ vLLM generates exactly when generation_backend is
+    'vllm', and the trainer then applies TRL's importance-sampling correction."""
+    trainer.args.generation_backend = "vllm"
+    trainer.sampler_correction = sampler_correction(trainer.args)
 
 
 def test_vllm_sequence_mask_correction_reaches_the_loss_and_is_logged(tmp_path):
     """TRL's defaults when vLLM generates (sequence_mask, clip_max 3): even rows' ratio
     exp(sum_t (log pi_old + 20)) > 3, so their weight is 0; odd rows keep exp(sum_t log pi_old)."""
-    trainer = recorded_run(tmp_path, SamplerLogpsTrainer, args_hook=use_vllm, max_steps=1)
+    trainer = recorded_run(tmp_path, SamplerLogpsTrainer, trainer_hook=as_if_vllm_generated, max_steps=1)
     weights_seen = []
     for recorded, inputs, params in trainer.calls:
         logps, entropy = replayed(params, inputs)  # mu = 1: pi_old is the current policy
