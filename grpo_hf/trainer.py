@@ -31,7 +31,7 @@ from datasets import Dataset, IterableDataset
 from peft import PeftConfig
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 
 from grpo_hf import rollout
@@ -102,14 +102,18 @@ class GRPOTrainer(Trainer):
         eval_dataset: Dataset | IterableDataset | dict[str, Dataset | IterableDataset] | None = None,
         processing_class: PreTrainedTokenizerBase | None = None,
         reward_processing_classes: PreTrainedTokenizerBase | list | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple = (None, None),
+        quantization_config=None,
         peft_config: PeftConfig | None = None,
-        ref_model: str | PreTrainedModel | None = None,
         tools: list[Callable] | None = None,
         rollout_func: RolloutFunc | None = None,
         environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None = None,
-        quantization_config=None,
+        ref_model: str | PreTrainedModel | None = None,
         **kwargs,
     ):
+        """TRL 1.16's arguments, in TRL's order; then `ref_model` (ours: a reference other than the
+        initial policy) and any other `transformers.Trainer` keyword."""
         args = GRPOConfig(output_dir=default_output_dir(model)) if args is None else args
         # First, so that a Hub repo for the completions that cannot be made fails before any model work.
         self.completion_log = CompletionLog(args, args.process_index == 0)
@@ -143,6 +147,8 @@ class GRPOTrainer(Trainer):
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
             **kwargs,
         )
         self.loss_is_scaled_for_ga = False  # the Trainer divides our loss by the accumulation steps

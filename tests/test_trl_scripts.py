@@ -8,6 +8,7 @@ the import lines are rewritten and nothing else, and the script runs in a subpro
 saved to a folder (TRL loads such a folder the same way; there is no model hub on these machines).
 """
 
+import inspect
 import json
 import os
 import subprocess
@@ -18,6 +19,8 @@ import pytest
 from safetensors.torch import load_file
 from tiny_models import LLAMA_LIKE, tiny_llama, tiny_tokenizer
 from transformers import LlamaConfig, LlamaForSequenceClassification
+
+from grpo_hf import GRPOTrainer
 
 SCRIPTS = Path(__file__).parent / "trl_scripts"
 IMPORTS = {
@@ -400,3 +403,15 @@ def test_trl_grpo_script_with_a_dataset_mixture_and_a_reward_model(model_dir, re
     assert len(evaluations) == 1 and evaluations[0]["step"] == 2  # eval_steps 2 on the 3 test rows
     assert not set(TRL_LOGGED_MIXTURE_EVAL) - set(evaluations[0])
     assert (out / "model.safetensors").is_file()  # full fine-tuning: no peft_config
+
+
+def test_trainer_arguments_are_trls_in_trls_order():
+    """GRPOTrainer's positional arguments are TRL 1.16's, in its order (a script may pass them so);
+    ours come after them."""
+    trl_order = [
+        "model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class",
+        "reward_processing_classes", "callbacks", "optimizers", "quantization_config", "peft_config",
+        "tools", "rollout_func", "environment_factory",
+    ]  # fmt: skip
+    ours = list(inspect.signature(GRPOTrainer.__init__).parameters)[1:]
+    assert ours[: len(trl_order)] == trl_order
