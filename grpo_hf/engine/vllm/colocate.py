@@ -38,7 +38,7 @@ from grpo_hf.engine.vllm.requests import (
     samples_for_rows,
     sampling_fields,
 )
-from grpo_hf.engine.vllm.weights import vllm_weights
+from grpo_hf.engine.vllm.weights import ties_embeddings, vllm_weights
 from grpo_hf.reference import is_peft_model
 from grpo_hf.rollout import Rollout
 from grpo_hf.sharding import unsharded_for_generation
@@ -78,6 +78,8 @@ class ColocateGenerator(Generator):
         model = self.policy()
         with unsharded_for_generation(model, self.accelerator):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": vllm_weights(model)})
+        if ties_embeddings(model):
+            self.llm.collective_rpc(_repack_tied_head)
         self.llm.reset_prefix_cache()
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:
@@ -119,6 +121,18 @@ class ColocateGenerator(Generator):
         per_row = samples_for_rows(per_prompt, slots)
         start = sum(len(member) for member in group[: self.accelerator.process_index % self.tp])
         return rollout_from_samples(prompt_ids, prompt_mask, per_row[start : start + len(rows)], sampling)
+
+
+def _repack_tied_head(worker) -> None:
+    """Run by each engine worker after a reload: vLLM 0.32's reload loads no weight under the name of
+    an LM head tied to the embedding, so it skips the head's post-load processing; on a CPU that
+    processing packs the matrix the head multiplies by (oneDNN), which would keep the old embedding.
+    On other platforms the head reads the embedding's (updated) storage and this does nothing."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        head = worker.model_runner.get_model().lm_head
+        head.quant_method.process_weights_after_loading(head)
 
 
 def _check_generation_kwargs(args) -> None:

@@ -25,10 +25,15 @@ from grpo_hf.engine.vllm.client import VLLMClient
 from grpo_hf.reference import is_peft_model
 
 
+def ties_embeddings(model: nn.Module) -> bool:
+    """Whether the policy's LM head is its input embedding (vLLM's copy ties them too)."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    return bool(base.config.get_text_config().tie_word_embeddings)
+
+
 def vllm_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights under the names vLLM's `load_weights` takes."""
-    base = model.get_base_model() if is_peft_model(model) else model
-    tied = base.config.get_text_config().tie_word_embeddings
+    tied = ties_embeddings(model)
     for name, weight in policy_weights(model):
         if tied and name == "lm_head.weight":
             raise ValueError(
