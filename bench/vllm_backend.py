@@ -2,6 +2,7 @@
 
     python bench/vllm_backend.py                          # SmolLM2-135M + LoRA, 2 prompts x G = 8, 48 tokens
     python bench/vllm_backend.py --rounds 2 --max-new-tokens 4 --num-generations 2   # a quick check
+    python bench/vllm_backend.py --sides vllm --enforce-eager --output bench/results/vllm_eager.json
 
 Run it with the vLLM environment's Python (`make bench-vllm` does). Both sides generate through
 `engine.generation.build_generator` with the same sampling (temperature 1, no truncation), the
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="Timed calls (and syncs) per side.")
     parser.add_argument("--sides", default="ours,vllm", help="Comma-separated: ours, vllm.")
     parser.add_argument("--kv-cache-bytes", type=int, default=512 * 2**20, help="vLLM's KV cache (CPU).")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="vLLM without compiling (faster start, slower steps)."
+    )
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "vllm_backend.json"))
     return parser.parse_args(argv)
 
@@ -77,7 +81,10 @@ def measure(side: str, args: argparse.Namespace, model: torch.nn.Module, output_
     )  # fmt: skip
     if side == "vllm":
         settings |= dict(
-            use_vllm=True, vllm_kv_cache_memory_bytes=args.kv_cache_bytes, vllm_max_model_length=1024
+            use_vllm=True,
+            vllm_kv_cache_memory_bytes=args.kv_cache_bytes,
+            vllm_max_model_length=1024,
+            vllm_enforce_eager=args.enforce_eager,
         )
     config = GRPOConfig(**settings)
     accelerator = Accelerator(cpu=config.use_cpu)

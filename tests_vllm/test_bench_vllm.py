@@ -9,7 +9,17 @@ def test_vllm_backend_bench_measures_both_sides(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_vllm_backend", ROOT / "bench" / "vllm_backend.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    argv = ["--prompts", "1", "--num-generations", "2", "--max-new-tokens", "3", "--rounds", "1"]
+    argv = [
+        "--prompts",
+        "1",
+        "--num-generations",
+        "2",
+        "--max-new-tokens",
+        "3",
+        "--rounds",
+        "1",
+        "--enforce-eager",
+    ]
     report = bench.main([*argv, "--kv-cache-bytes", str(128 * 2**20), "--output", str(tmp_path / "out.json")])
     for side in ("ours", "vllm"):
         assert report[side]["startup_seconds"] > 0 and report[side]["sync_seconds"] > 0
