@@ -13,8 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from accelerate import PartialState
-from dist_worker import force_fsdp_on_cpu
+from dist_worker import exit_worker, force_fsdp_on_cpu
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, length_reward, make_config
 
@@ -61,5 +60,4 @@ def main(url: str, output: Path, mode: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
-    # Gloo's threads outlive an un-destroyed process group and can abort the exit (SIGABRT).
-    PartialState().destroy_process_group()
+    exit_worker()
