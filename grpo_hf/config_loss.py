@@ -90,8 +90,8 @@ class LossArguments:
         default=0.0,
         metadata={
             "help": "Entropy bonus (arXiv 2504.20571): loss -= coef * the mean token entropy (over the optimizer "
-            "step's loss tokens on every process), for every loss_type alike. The starting value with "
-            "use_adaptive_entropy."
+            "step's loss tokens on every process), for every loss_type alike; negative, an entropy penalty (as "
+            "in TRL, which does not restrict the sign). The starting value with use_adaptive_entropy (then >= 0)."
         },
     )
     use_adaptive_entropy: bool = field(
@@ -231,7 +231,11 @@ class LossArguments:
                 "vespo_lambda_pos and vespo_lambda_neg must be > 0",
             ),
             (self.beta >= 0, "beta must be >= 0 (0 disables the KL term)"),
-            (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
+            (
+                self.entropy_coef >= 0 or not self.use_adaptive_entropy,
+                "entropy_coef must be >= 0 with use_adaptive_entropy (it starts the adaptive coefficient, "
+                "kept within [entropy_coef_min, entropy_coef_max])",
+            ),
             (
                 0 <= self.top_entropy_quantile <= 1,
                 "top_entropy_quantile must be in [0, 1] (1 keeps every token)",

@@ -29,6 +29,7 @@ def make(tmp_path, **kwargs) -> GRPOConfig:
         ({"generation_backend": "tensorrt"}, ["generation_backend"]),
         ({"num_generations_eval": 0}, ["num_generations_eval"]),
         ({"router_aux_loss_coef": -0.1}, ["router_aux_loss_coef"]),
+        ({"entropy_coef": -0.1, "use_adaptive_entropy": True}, ["entropy_coef", "use_adaptive_entropy"]),
         ({"model_init_kwargs": "dtype=bfloat16"}, ["model_init_kwargs", "JSON"]),
         ({"auto_find_batch_size": True}, ["auto_find_batch_size", "per_device_train_batch_size"]),
         # evaluation with fewer completions per prompt: its batch must hold whole groups of those
@@ -160,3 +161,8 @@ def test_an_eval_dataset_checks_the_eval_batch_before_the_model_loads(tmp_path):
         ValueError, match="per_device_eval_batch_size"
     ):  # not an error loading "no-such-model"
         GRPOTrainer("no-such-model", length_reward, args=args, eval_dataset=chat_dataset(2))
+
+
+def test_a_negative_entropy_coef_is_taken_without_adaptive_entropy(tmp_path):
+    """An entropy penalty, as TRL allows (its sign is not restricted there)."""
+    assert make(tmp_path, entropy_coef=-0.1).entropy_coef == -0.1

@@ -271,6 +271,12 @@ def test_entropy_bonus_is_coef_times_the_token_mean_entropy_for_every_loss_type(
     assert metrics["policy_loss"].item() == pytest.approx(policy)  # the loss before the bonus
 
 
+def test_a_negative_entropy_coef_is_an_entropy_penalty():
+    """TRL does not restrict the sign: -0.1 adds 0.1 x the token-mean entropy 3 to dapo's 0.8."""
+    loss, _ = grpo_loss(LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=ENTROPY, entropy_coef=-0.1)
+    assert loss.item() == pytest.approx(0.8 + 0.1 * 3.0)
+
+
 def test_entropy_normalizer_sets_the_bonus_denominator():
     """The trainer passes the optimizer step's token count (here 10, e.g. two micro-batches): the
     bonus is 0.1 x 15 / 10 rather than 0.1 x this micro-batch's own mean 15 / 5."""
