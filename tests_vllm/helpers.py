@@ -8,6 +8,7 @@ from conftest import model_path
 from peft import LoraConfig
 
 from grpo_hf import GRPOConfig, GRPOTrainer, rollout
+from grpo_hf.checkpoints import STATE_FILE
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.models import load_model
@@ -140,6 +141,39 @@ def assert_plain_policy_sync(trainer: GRPOTrainer, names: tuple[str, ...]) -> No
         assert_sync_reaches_the_engine(trainer, model, names)
     finally:
         trainer.generator.policy = policy
+
+
+def assert_lora_run_moves_logs_and_resumes(tmp_path, settings: dict) -> None:
+    """Item c: two optimizer steps through the engine, a checkpoint each; the adapter moves; the
+    sampler ratios are logged (and near 1: same weights, same float32 distribution); the run
+    resumes from its first checkpoint."""
+    settings = settings | dict(max_steps=2, save_strategy="steps", save_steps=1)
+    run = make_trainer(tmp_path, **settings)
+    before = {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad}
+    run.train()
+    assert any(not torch.equal(p, before[n]) for n, p in run.model.named_parameters() if n in before)
+    logs = [entry for entry in run.state.log_history if "loss" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert abs(entry["sampler/ratio_mean"] - 1) < 1e-3 and entry["sampler/ratio_max"] < 1.01
+        assert entry["generation/tokens_per_second"] > 0 and "reward" in entry
+    assert (tmp_path / "checkpoint-1" / STATE_FILE).is_file()
+    resumed = make_trainer(tmp_path, **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert resumed.state.global_step == 2 and resumed.generator.version == 1
+
+
+def assert_two_turn_tool_episodes(scored) -> None:
+    """Item e: each episode called `add` (the first turn forced to), got its result, and answered after
+    it; the tool's tokens are out of the loss and have no sampler log-prob."""
+    for episode in scored.completions:
+        assert [m["role"] for m in episode] == ["assistant", "tool", "assistant"]
+        (call,) = episode[0]["tool_calls"]  # transformers' message shape: the call parsed out of the text
+        arguments = call["function"]["arguments"]
+        assert call["function"]["name"] == "add"
+        assert episode[1]["content"] == str(arguments["a"] + arguments["b"])
+    tool = scored.result.tool_mask.bool()
+    assert tool.any(dim=1).all() and torch.all(scored.result.sampler_logps[tool] == 0)
 
 
 def assert_seeded(trainer: GRPOTrainer) -> None:

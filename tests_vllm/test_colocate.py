@@ -6,14 +6,15 @@ from conftest import shared_engine, vllm_settings
 from helpers import (
     TOOL_CALL,
     add,
+    assert_lora_run_moves_logs_and_resumes,
     assert_plain_policy_sync,
     assert_sampler_logps_match,
     assert_seeded,
     assert_sync_reaches_the_engine,
+    assert_two_turn_tool_episodes,
     make_trainer,
 )
 
-from grpo_hf.checkpoints import STATE_FILE
 from grpo_hf.config import GRPOConfig
 from grpo_hf.engine.vllm.colocate import ColocateGenerator
 
@@ -51,24 +52,9 @@ def test_full_fine_tuning_sync_reaches_the_engine(trainer, names):
 
 
 def test_lora_training_moves_logs_and_resumes(trainer, tmp_path):
-    """Item c: two optimizer steps through the engine, a checkpoint each; the adapter moves; the
-    sampler ratios are logged (and near 1: same weights, same float32 distribution); the run
-    resumes from its first checkpoint."""
-    settings = vllm_settings(max_steps=2, save_strategy="steps", save_steps=1)
+    """Item c through the module's engine."""
     with shared_engine(trainer.generator):
-        run = make_trainer(tmp_path, **settings)
-        before = {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad}
-        run.train()
-        assert any(not torch.equal(p, before[n]) for n, p in run.model.named_parameters() if n in before)
-        logs = [entry for entry in run.state.log_history if "loss" in entry]
-        assert len(logs) == 2
-        for entry in logs:
-            assert abs(entry["sampler/ratio_mean"] - 1) < 1e-3 and entry["sampler/ratio_max"] < 1.01
-            assert entry["generation/tokens_per_second"] > 0 and "reward" in entry
-        assert (tmp_path / "checkpoint-1" / STATE_FILE).is_file()
-        resumed = make_trainer(tmp_path, **settings)
-        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
-    assert resumed.state.global_step == 2 and resumed.generator.version == 1
+        assert_lora_run_moves_logs_and_resumes(tmp_path, vllm_settings())
 
 
 def test_two_turn_tool_episode(trainer, tmp_path):
@@ -80,14 +66,7 @@ def test_two_turn_tool_episode(trainer, tmp_path):
     with shared_engine(trainer.generator):
         run = make_trainer(tmp_path, tools=[add], **settings)
         scored = run._sample_and_score([run.train_dataset[0]] * 2)
-    for episode in scored.completions:
-        assert [m["role"] for m in episode] == ["assistant", "tool", "assistant"]
-        (call,) = episode[0]["tool_calls"]  # transformers' message shape: the call parsed out of the text
-        arguments = call["function"]["arguments"]
-        assert call["function"]["name"] == "add"
-        assert episode[1]["content"] == str(arguments["a"] + arguments["b"])
-    tool = scored.result.tool_mask.bool()
-    assert tool.any(dim=1).all() and torch.all(scored.result.sampler_logps[tool] == 0)
+    assert_two_turn_tool_episodes(scored)
 
 
 def test_generation_kwargs_reach_vllm_and_are_checked(trainer, tmp_path):

@@ -4,22 +4,22 @@ import json
 import time
 
 import pytest
-import torch
 from conftest import ROOT
 from helpers import (
     TOOL_CALL,
     add,
+    assert_lora_run_moves_logs_and_resumes,
     assert_plain_policy_sync,
     assert_sampler_logps_match,
     assert_seeded,
     assert_sync_reaches_the_engine,
+    assert_two_turn_tool_episodes,
     make_trainer,
     prompts,
 )
 from trainer_helpers import free_port
 from two_processes import launch_two_processes
 
-from grpo_hf.checkpoints import STATE_FILE
 from grpo_hf.engine.vllm.server import ServerGenerator
 
 
@@ -62,17 +62,7 @@ def test_a_trained_tied_embedding_reaches_a_cpu_servers_head(trainer):
 
 def test_lora_training_moves_logs_and_resumes(vllm_server, tmp_path):
     """Item c through the server: the adapter moves, sampler ratios logged, the run resumes."""
-    settings = server_settings(vllm_server, max_steps=2, save_strategy="steps", save_steps=1)
-    run = make_trainer(tmp_path, **settings)
-    before = {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad}
-    run.train()
-    assert any(not torch.equal(p, before[n]) for n, p in run.model.named_parameters() if n in before)
-    logs = [entry for entry in run.state.log_history if "loss" in entry]
-    assert len(logs) == 2 and all(abs(entry["sampler/ratio_mean"] - 1) < 1e-3 for entry in logs)
-    assert (tmp_path / "checkpoint-1" / STATE_FILE).is_file()
-    resumed = make_trainer(tmp_path, **settings)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
-    assert resumed.state.global_step == 2 and resumed.generator.version == 1
+    assert_lora_run_moves_logs_and_resumes(tmp_path, server_settings(vllm_server))
 
 
 def test_two_turn_tool_episode(vllm_server, tmp_path):
@@ -85,14 +75,7 @@ def test_two_turn_tool_episode(vllm_server, tmp_path):
     )
     run = make_trainer(tmp_path, tools=[add], **settings)
     scored = run._sample_and_score([run.train_dataset[1]] * 2)
-    for episode in scored.completions:
-        assert [m["role"] for m in episode] == ["assistant", "tool", "assistant"]
-        (call,) = episode[0]["tool_calls"]  # transformers' message shape: the call parsed out of the text
-        arguments = call["function"]["arguments"]
-        assert call["function"]["name"] == "add"
-        assert episode[1]["content"] == str(arguments["a"] + arguments["b"])
-    tool = scored.result.tool_mask.bool()
-    assert tool.any(dim=1).all() and torch.all(scored.result.sampler_logps[tool] == 0)
+    assert_two_turn_tool_episodes(scored)
 
 
 def test_two_trainer_processes_share_the_server(vllm_server, tmp_path):
