@@ -3,36 +3,23 @@ keeps running its model until every process is done, so the per-layer gathers st
 The two-process run is in tests/test_distributed.py (scenario no_gather_uneven_stop)."""
 
 import torch
+from tiny_models import ScriptedDecoder
 from transformers import GenerationConfig
 
 from grpo_hf import rollout
 
 
-class StepDecoder:
-    """Row r draws token 3 until its step `lengths[r] - 1`, then EOS (2); records every call's rows."""
-
-    def __init__(self, lengths: list[int]):
-        self.lengths, self.serving, self.step, self.rows_per_call = torch.tensor(lengths), None, 0, []
-
-    def logits(self) -> torch.Tensor:
-        ends = self.lengths[self.serving] - 1 == self.step  # (R,)
-        self.rows_per_call.append(len(self.serving))
-        return 100.0 * torch.nn.functional.one_hot(torch.where(ends, 2, 3), 5).float()  # (R, 5)
-
-    def prefill(self, prompt_ids, prompt_mask):
-        self.serving = torch.arange(prompt_ids.shape[0])
-        return self.logits()
+class LockstepDecoder(ScriptedDecoder):
+    """A ScriptedDecoder that may also be fed a finished row: the spare row a done process keeps
+    stepping in lockstep."""
 
     def __call__(self, token):
         self.step += 1
         return self.logits()
 
-    def keep(self, rows):
-        self.serving = self.serving[rows]
-
 
 def generate(monkeypatch, all_done):
-    decoder = StepDecoder([2, 3])
+    decoder = LockstepDecoder([2, 3])
     monkeypatch.setattr(rollout, "decoder_for", lambda *args: decoder)
     ids = torch.ones(2, 3, dtype=torch.long)
     config = GenerationConfig(do_sample=False, max_new_tokens=8, pad_token_id=0, eos_token_id=[2])

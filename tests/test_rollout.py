@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_models import tiny_gpt2, tiny_llama, tiny_tokenizer
+from tiny_models import ScriptedDecoder, tiny_gpt2, tiny_llama, tiny_tokenizer
 from transformers import GenerationConfig
 
 from grpo_hf import rollout
@@ -31,34 +31,6 @@ def test_greedy_decode_matches_model_generate(build):
     reference_mask, _ = rollout.completion_mask_after_eos(reference, [2])
     width = ours.completion_ids.shape[1]
     assert torch.equal(ours.completion_ids, reference.masked_fill(reference_mask == 0, 0)[:, :width])
-
-
-class ScriptedDecoder:
-    """Row r of the batch draws token 3 until its step `lengths[r] - 1`, then EOS (2), greedily.
-
-    It knows which batch rows it is serving only through `keep`, so rows mixed up there would
-    draw the wrong tokens; `rows_per_call` records the rows of every call.
-    """
-
-    def __init__(self, lengths: list[int]):
-        self.lengths, self.serving, self.step, self.rows_per_call = torch.tensor(lengths), None, 0, []
-
-    def logits(self) -> torch.Tensor:
-        ends = self.lengths[self.serving] - 1 == self.step  # (R,)
-        self.rows_per_call.append(len(self.serving))
-        return 100.0 * torch.nn.functional.one_hot(torch.where(ends, 2, 3), 5).float()  # (R, 5)
-
-    def prefill(self, prompt_ids, prompt_mask):
-        self.serving = torch.arange(prompt_ids.shape[0])
-        return self.logits()
-
-    def __call__(self, token):
-        assert (token == 3).all()  # only rows still going are fed
-        self.step += 1
-        return self.logits()
-
-    def keep(self, rows):
-        self.serving = self.serving[rows]
 
 
 def test_rows_that_drew_eos_leave_the_decoder(monkeypatch):

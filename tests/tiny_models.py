@@ -1,4 +1,5 @@
-"""Tiny Llama / GPT-2 models and a byte-level tokenizer, built offline from configs."""
+"""Tiny Llama / GPT-2 models and a byte-level tokenizer, built offline from configs; a scripted
+decoder that stands in for a model in the decode loop."""
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -71,3 +72,31 @@ def tiny_mistral() -> MistralForCausalLM:
     """A Llama-like model with a sliding window (4096 by default): not packable."""
     torch.manual_seed(0)
     return MistralForCausalLM(MistralConfig(vocab_size=259, **LLAMA_LIKE))
+
+
+class ScriptedDecoder:
+    """Row r of the batch draws token 3 until its step `lengths[r] - 1`, then EOS (2), greedily.
+
+    It knows which batch rows it is serving only through `keep`, so rows mixed up there would
+    draw the wrong tokens; `rows_per_call` records the rows of every call.
+    """
+
+    def __init__(self, lengths: list[int]):
+        self.lengths, self.serving, self.step, self.rows_per_call = torch.tensor(lengths), None, 0, []
+
+    def logits(self) -> torch.Tensor:
+        ends = self.lengths[self.serving] - 1 == self.step  # (R,)
+        self.rows_per_call.append(len(self.serving))
+        return 100.0 * torch.nn.functional.one_hot(torch.where(ends, 2, 3), 5).float()  # (R, 5)
+
+    def prefill(self, prompt_ids, prompt_mask):
+        self.serving = torch.arange(prompt_ids.shape[0])
+        return self.logits()
+
+    def __call__(self, token):
+        assert (token == 3).all()  # only rows still going are fed
+        self.step += 1
+        return self.logits()
+
+    def keep(self, rows):
+        self.serving = self.serving[rows]
