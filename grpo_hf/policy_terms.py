@@ -60,10 +60,10 @@ def clipped_surrogate(
 ) -> torch.Tensor:
     """Per-token min(r * A, clip(r) * A) with r = exp(log_ratio); advantages (B,) broadcast over T."""
     ratio = torch.exp(log_ratio)  # (B, T)
+    clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)  # (B, T)
     if delta is not None:
         ratio = ratio.clamp(max=delta)
     adv = advantages.unsqueeze(1)  # (B, 1)
-    clipped = torch.clamp(torch.exp(log_ratio), 1 - epsilon, 1 + epsilon_high)  # (B, T)
     return torch.min(ratio * adv, clipped * adv)  # (B, T)
 
 
