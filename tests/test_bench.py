@@ -1,6 +1,5 @@
 """Smoke test of the benchmark script: bench/run.py, our side only (no TRL needed), tiny settings."""
 
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -9,18 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_helpers import bench_module
 
 from grpo_hf.engine.cpu import native_bf16
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def bench_module(name: str):
-    """bench/<name>.py, imported (bench/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -1,6 +1,9 @@
-"""Shared pieces for trainer tests: a prompt dataset, rewards, and a trainer with fixed completions."""
+"""Shared pieces for trainer tests: a prompt dataset, rewards, and a trainer with fixed completions;
+a free port, and the bench scripts as modules."""
 
+import importlib.util
 import socket
+from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -14,6 +17,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def bench_module(name: str):
+    """bench/<name>.py, imported (bench/ is scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def chat_dataset(n: int = 8) -> Dataset:

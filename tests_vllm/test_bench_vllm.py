@@ -1,14 +1,10 @@
 """bench/vllm_backend.py on a tiny setting, both sides (its own engine: one more module)."""
 
-import importlib.util
-
-from conftest import ROOT
+from trainer_helpers import bench_module
 
 
 def test_vllm_backend_bench_measures_both_sides(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_vllm_backend", ROOT / "bench" / "vllm_backend.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("vllm_backend")
     argv = [
         "--prompts",
         "1",
