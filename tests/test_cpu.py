@@ -5,16 +5,20 @@ import platform
 import pytest
 import torch
 import torch.nn.functional as F
+from trainer_helpers import make_config
 
 from grpo_hf.engine import cpu
+from grpo_hf.engine import native_bf16 as native_bf16_line
 from grpo_hf.engine.cpu import BlockedLinear, blocked_matmul_supported
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
 def test_bf16_reorder_is_used_exactly_where_onednn_supports_it():
-    """On an AVX2-only CPU oneDNN's bf16 reorder raises: the check must say no there, yes on AVX-512."""
-    assert blocked_matmul_supported(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """On an AVX2-only CPU oneDNN's bf16 reorder raises: the check must say no there, yes on AVX-512
+    (unless GRPO_HF_CPU_BF16=0 runs the suite as on AVX2)."""
+    expected = torch.ops.mkldnn._is_mkldnn_bf16_supported() and cpu.forced_bf16() is not False
+    assert blocked_matmul_supported(torch.bfloat16) == expected
     assert not blocked_matmul_supported(torch.int8)  # no such kernel: never asked for
 
 
@@ -65,6 +69,37 @@ def test_a_reorder_that_raises_means_unsupported(monkeypatch):
         blocked_matmul_supported.cache_clear()
 
 
-def test_native_bf16_follows_the_instruction_sets():
+@pytest.fixture
+def cleared_caches():
+    """The answers are cached per process: clear them before and after a test that sets the variable."""
+    caches = (cpu.native_bf16, blocked_matmul_supported)
+    for cached in caches:
+        cached.cache_clear()
+    yield
+    for cached in caches:
+        cached.cache_clear()
+
+
+def test_native_bf16_follows_the_instruction_sets(monkeypatch, cleared_caches):
+    monkeypatch.delenv(cpu.CPU_BF16_VARIABLE, raising=False)
     expected = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     assert cpu.native_bf16() == expected
+
+
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_the_variable_makes_the_cpu_run_as_the_other_kind(value, monkeypatch, cleared_caches, tmp_path):
+    monkeypatch.setenv(cpu.CPU_BF16_VARIABLE, value)
+    assert cpu.native_bf16() is (value == "1")
+    native, line = native_bf16_line(use_cpu=True)
+    assert native is (value == "1") and line.startswith("precision: bf16" if value == "1" else "precision: fp32")
+    assert f"({cpu.CPU_BF16_VARIABLE} says so)" in line
+    assert make_config(tmp_path, bf16=None, precision="auto").bf16 is (value == "1")
+    if value == "0":  # as on AVX2: no oneDNN bf16 / fp16 reorder, whatever the CPU has; float32 keeps it
+        assert not blocked_matmul_supported(torch.bfloat16) and not blocked_matmul_supported(torch.float16)
+        assert blocked_matmul_supported(torch.float32) == torch.backends.mkldnn.is_available()
+
+
+def test_a_bad_value_names_the_variable(monkeypatch, cleared_caches):
+    monkeypatch.setenv(cpu.CPU_BF16_VARIABLE, "yes")
+    with pytest.raises(ValueError, match="GRPO_HF_CPU_BF16='yes'"):
+        cpu.native_bf16()

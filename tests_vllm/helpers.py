@@ -2,6 +2,7 @@
 completions, weights perturbed in place, and the checks of items a (log-probs) and b (sync)."""
 
 import dataclasses
+import math
 
 import torch
 from conftest import model_path
@@ -37,11 +38,21 @@ def length_reward(completions, **kwargs) -> list[float]:
     return [len(c[0]["content"]) / 10 for c in completions]
 
 
+# How far the sampler's log-probs may be from our log-prob pass, per token, at each precision of the
+# trainer (the engine's or server's own dtype aside). float32 on both sides: the same numbers up to
+# summation order. bf16: `bench/precision_gap.py` measured up to 0.56 between a bf16 engine and our
+# bf16-autocast pass over 32 completions of ~150 tokens, mean 0.04 (README, vLLM); 0.75 leaves room
+# for other CPUs' kernels. The mean ratio pi_old / pi_sampler stays within 5% of 1 at either.
+SAMPLER_GAP = {False: 1e-3, True: 0.75}
+RATIO_MEAN_GAP = {False: 1e-3, True: 0.05}
+
+
 def make_trainer(tmp_path, peft: bool = True, tools=None, **settings) -> GRPOTrainer:
+    """A SmolLM2 trainer in float32 (precision='auto' for the tests that run at the machine's)."""
     args = dict(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=12,
         max_steps=1, learning_rate=1e-3, beta=0.0, report_to=[], use_cpu=True, save_strategy="no", seed=0,
-        disable_tqdm=True, logging_steps=1,
+        disable_tqdm=True, logging_steps=1, precision="fp32",
     ) | settings  # fmt: skip
     return GRPOTrainer(
         model=model_path(),
@@ -143,10 +154,16 @@ def assert_plain_policy_sync(trainer: GRPOTrainer, names: tuple[str, ...]) -> No
         trainer.generator.policy = policy
 
 
+def assert_ratios_near_one(ratio_means: list[float], ratio_maxes: list[float], bf16: bool) -> None:
+    """The logged sampler ratios pi_old / pi_sampler are what the trainer's precision allows."""
+    assert ratio_means and all(abs(mean - 1) < RATIO_MEAN_GAP[bf16] for mean in ratio_means), ratio_means
+    assert all(0 < top < math.exp(SAMPLER_GAP[bf16]) for top in ratio_maxes), ratio_maxes
+
+
 def assert_lora_run_moves_logs_and_resumes(tmp_path, settings: dict) -> None:
     """Item c: two optimizer steps through the engine, a checkpoint each; the adapter moves; the
-    sampler ratios are logged (and near 1: same weights, same float32 distribution); the run
-    resumes from its first checkpoint."""
+    sampler ratios are logged (and near 1: the same weights, as near as the precision allows); the
+    run resumes from its first checkpoint."""
     settings = settings | dict(max_steps=2, save_strategy="steps", save_steps=1)
     run = make_trainer(tmp_path, **settings)
     before = {n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad}
@@ -154,8 +171,9 @@ def assert_lora_run_moves_logs_and_resumes(tmp_path, settings: dict) -> None:
     assert any(not torch.equal(p, before[n]) for n, p in run.model.named_parameters() if n in before)
     logs = [entry for entry in run.state.log_history if "loss" in entry]
     assert len(logs) == 2
+    ratios = ([entry["sampler/ratio_mean"] for entry in logs], [entry["sampler/ratio_max"] for entry in logs])
+    assert_ratios_near_one(*ratios, bf16=run.args.bf16)
     for entry in logs:
-        assert abs(entry["sampler/ratio_mean"] - 1) < 1e-3 and entry["sampler/ratio_max"] < 1.01
         assert entry["generation/tokens_per_second"] > 0 and "reward" in entry
     assert (tmp_path / "checkpoint-1" / STATE_FILE).is_file()
     resumed = make_trainer(tmp_path, **settings)

@@ -2,7 +2,7 @@
 
     python tests_vllm/server_worker.py <server url> <output folder>
 
-Both processes hold 2 rows of the same prompt (one group of 4 split between them): the server gets
+The trainers run at the machine's precision (precision='auto'). Both processes hold 2 rows of the same prompt (one group of 4 split between them): the server gets
 one request with n = 4 and each process its own 2 samples. Then 2 training steps. Writes
 <output>/process-<i>.json.
 """
@@ -17,15 +17,22 @@ from helpers import completions, make_trainer  # noqa: E402
 
 def main(url: str, output: Path) -> None:
     settings = dict(
-        use_vllm=True, vllm_mode="server", vllm_server_base_url=url, per_device_train_batch_size=2
-    )
+        use_vllm=True, vllm_mode="server", vllm_server_base_url=url, per_device_train_batch_size=2,
+        precision="auto",
+    )  # fmt: skip
     trainer = make_trainer(output, max_steps=2, **settings)
     index = trainer.accelerator.process_index
     result = trainer._sample_and_score([trainer.train_dataset[0]] * 2).result
     trainer.train()
     lora = sum(float(p.double().sum()) for n, p in trainer.model.named_parameters() if "lora_B" in n)
-    ratios = [entry["sampler/ratio_mean"] for entry in trainer.state.log_history if "loss" in entry]
-    report = {"completions": completions(result), "lora_B_sum": lora, "ratios": ratios}
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    report = {
+        "completions": completions(result),
+        "lora_B_sum": lora,
+        "ratios": [entry["sampler/ratio_mean"] for entry in logs],
+        "ratio_maxes": [entry["sampler/ratio_max"] for entry in logs],
+        "bf16": trainer.args.bf16,
+    }
     (output / f"process-{index}.json").write_text(json.dumps(report))
 
 

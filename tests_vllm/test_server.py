@@ -10,6 +10,7 @@ from helpers import (
     add,
     assert_lora_run_moves_logs_and_resumes,
     assert_plain_policy_sync,
+    assert_ratios_near_one,
     assert_sampler_logps_match,
     assert_seeded,
     assert_sync_reaches_the_engine,
@@ -20,6 +21,7 @@ from helpers import (
 from trainer_helpers import free_port
 from two_processes import launch_two_processes
 
+from grpo_hf.engine.cpu import native_bf16
 from grpo_hf.engine.vllm.server import ServerGenerator
 
 
@@ -60,9 +62,11 @@ def test_a_trained_tied_embedding_reaches_a_cpu_servers_head(trainer):
     assert_plain_policy_sync(trainer, ("embed_tokens",))
 
 
+@pytest.mark.cpu_kind
 def test_lora_training_moves_logs_and_resumes(vllm_server, tmp_path):
-    """Item c through the server: the adapter moves, sampler ratios logged, the run resumes."""
-    assert_lora_run_moves_logs_and_resumes(tmp_path, server_settings(vllm_server))
+    """Item c through the (float32) server, the trainer at the machine's precision: the adapter
+    moves, sampler ratios logged, the run resumes."""
+    assert_lora_run_moves_logs_and_resumes(tmp_path, server_settings(vllm_server, precision="auto"))
 
 
 def test_two_turn_tool_episode(vllm_server, tmp_path):
@@ -78,9 +82,10 @@ def test_two_turn_tool_episode(vllm_server, tmp_path):
     assert_two_turn_tool_episodes(scored)
 
 
+@pytest.mark.cpu_kind
 def test_two_trainer_processes_share_the_server(vllm_server, tmp_path):
     """Item d: a group of 4 split between 2 processes is one request with n = 4; each process gets
-    its own 2 samples; DDP keeps one adapter."""
+    its own 2 samples; DDP keeps one adapter. The trainers run at the machine's precision."""
     launch_two_processes(
         ROOT / "tests_vllm" / "server_worker.py", [vllm_server, str(tmp_path)], tmp_path, timeout=900
     )
@@ -88,7 +93,10 @@ def test_two_trainer_processes_share_the_server(vllm_server, tmp_path):
     assert len(zero["completions"]) == len(one["completions"]) == 2
     assert zero["completions"] != one["completions"]  # samples 0-1 and 2-3 of the request, not a copy
     assert zero["lora_B_sum"] == one["lora_B_sum"] != 0.0
-    assert all(abs(r - 1) < 1e-3 for r in zero["ratios"] + one["ratios"])
+    assert zero["bf16"] == one["bf16"] == native_bf16()
+    assert_ratios_near_one(
+        zero["ratios"] + one["ratios"], zero["ratio_maxes"] + one["ratio_maxes"], zero["bf16"]
+    )
 
 
 def test_no_server_and_a_timeout_are_clear_errors(trainer, tmp_path):

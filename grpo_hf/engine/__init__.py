@@ -29,9 +29,10 @@ def native_bf16(use_cpu: bool) -> tuple[bool, str]:
             return True, f"precision: bf16, {name} computes bf16 natively"
         return False, f"precision: fp32, {name} has no native bf16"
     capability = torch.backends.cpu.get_cpu_capability()
+    said = "" if cpu.forced_bf16() is None else f" ({cpu.CPU_BF16_VARIABLE} says so)"
     if cpu.native_bf16():
-        return True, f"precision: bf16, this CPU ({capability}) has AVX-512-BF16 or AMX"
-    return False, f"precision: fp32, this CPU ({capability}) has no native bf16"
+        return True, f"precision: bf16, this CPU ({capability}) has AVX-512-BF16 or AMX{said}"
+    return False, f"precision: fp32, this CPU ({capability}) has no native bf16{said}"
 
 
 def precision_line(precision: str | None, bf16: bool, use_cpu: bool) -> str | None:

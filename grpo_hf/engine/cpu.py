@@ -5,17 +5,43 @@ as fast as a float32 one; without them (AVX2-only x86, most ARM builds of PyTorc
 matmuls fall back to a reference GEMM many times slower than float32, and oneDNN's bf16 weight
 reorder raises. Each fast path here asks once what the CPU can do and has a plain fallback that is
 correct everywhere; tests force the fallback with `monkeypatch` on these functions.
+
+`GRPO_HF_CPU_BF16` overrides what the CPU reports, for a whole process and its children (oneDNN's
+and ATen's own switches, `ONEDNN_MAX_CPU_ISA` and `ATEN_CPU_CAPABILITY`, leave PyTorch's CPUID
+answers as they are): `0` runs as on an AVX2-only CPU (no native bf16, no oneDNN bf16 or fp16
+weight reorder), `1` as on a CPU with AVX-512-BF16 (precision='auto' picks bf16; its matmuls are
+emulated where the CPU has no such instructions, so slow but the same code path). `make test`
+uses it to run the precision-dependent tests as on the other kind of CPU.
 """
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 
 
+CPU_BF16_VARIABLE = "GRPO_HF_CPU_BF16"
+
+
+def forced_bf16() -> bool | None:
+    """`GRPO_HF_CPU_BF16` as a bool (0 -> as AVX2, 1 -> as AVX-512-BF16); None where it is unset."""
+    value = os.environ.get(CPU_BF16_VARIABLE, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(
+            f"{CPU_BF16_VARIABLE}={value!r}: use 0 (run as on an AVX2-only CPU), 1 (as on one with "
+            "AVX-512-BF16), or leave it unset to ask the CPU."
+        )
+    return None if value == "" else value == "1"
+
+
 @functools.cache
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (x86 AVX-512-BF16 or AMX tiles)."""
+    """Whether this CPU multiplies bf16 in hardware (x86 AVX-512-BF16 or AMX tiles), unless
+    `GRPO_HF_CPU_BF16` says otherwise."""
+    forced = forced_bf16()
+    if forced is not None:
+        return forced
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
@@ -26,7 +52,10 @@ def blocked_matmul_supported(dtype: torch.dtype) -> bool:
     oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, its fp16 one similar; the
     float32 one runs on any x86 oneDNN build. Beyond asking oneDNN, one small product is tried and
     compared with `F.linear`, so a build whose kernels misbehave (an ARM build, say) falls back too.
+    `GRPO_HF_CPU_BF16=0` (as on an AVX2-only CPU) turns the bf16 and fp16 reorders off.
     """
+    if dtype in (torch.bfloat16, torch.float16) and forced_bf16() is False:
+        return False
     supported = {
         torch.float32: torch.backends.mkldnn.is_available,
         torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
