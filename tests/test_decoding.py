@@ -99,6 +99,7 @@ def test_rows_kept_decode_as_they_would_have_in_the_whole_batch(kind, build, mat
         torch.testing.assert_close(got, expected if step < 2 else expected[[3, 1]], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cpu_kind
 @torch.no_grad()
 def test_llama_decoder_in_bf16_rounds_where_transformers_does(matmuls):
     """bf16: every step's largest logit gap to transformers' forward stays within a few bf16 ulps.

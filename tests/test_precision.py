@@ -2,8 +2,10 @@
 an explicit --bf16 where bf16 is emulated. The CPU's answer is monkeypatched both ways."""
 
 import logging
+import math
 
 import pytest
+import torch
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, length_reward, make_config
 
@@ -23,6 +25,7 @@ def test_auto_picks_bf16_only_where_the_cpu_computes_it(tmp_path, native):
     assert args.use_cpu or not native  # transformers wants use_cpu for bf16 on a CPU
 
 
+@pytest.mark.cpu_kind
 def test_auto_on_this_machine_follows_its_instruction_sets(tmp_path):
     assert make_config(tmp_path, precision="auto").bf16 is cpu.native_bf16()
 
@@ -68,3 +71,17 @@ def test_explicit_bf16_warns_only_where_it_is_emulated(tmp_path, native, caplog)
     warned = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
     assert len(warned) == (0 if native else 1)
     assert native or "precision='auto'" in warned[0]
+
+
+@pytest.mark.cpu_kind
+def test_a_step_at_the_machines_precision(tmp_path):
+    """precision='auto' trains: bf16 autocast where the CPU has it (or GRPO_HF_CPU_BF16=1 says so), float32
+    elsewhere; the loss is finite, the weights move and stay float32 (the optimizer's master copy)."""
+    trainer = make_trainer(tmp_path, bf16=None, precision="auto", max_steps=1)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.args.bf16 is cpu.native_bf16()
+    (log,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert math.isfinite(log["loss"]) and math.isfinite(log["grad_norm"])
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
