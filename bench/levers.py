@@ -52,14 +52,14 @@ from grpo_hf.engine.attention import grouped_attention
 from grpo_hf.engine.cpu import BlockedLinear, native_bf16
 from grpo_hf.engine.decoding import LlamaDecoder, TransformersDecoder
 from grpo_hf.engine.generation_copy import GenerationCopy
+from grpo_hf.engine.local import sample_tokens
 from grpo_hf.engine.logprobs import (
     attention_kernel,
     completion_logits,
     packed_completion_logps,
 )
 from grpo_hf.engine.token_scores import token_logps_and_entropy
-from grpo_hf.models import DEFAULT_MODEL, load_model
-from grpo_hf.rollout import sample_tokens
+from grpo_hf.models.loading import DEFAULT_MODEL, load_model
 
 ROWS, GROUP, PROMPT, COMPLETION = 16, 8, 29, 48
 # The precision the trainer's precision='auto' takes here: bf16 only on a CPU that multiplies it natively.

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import machine_info, rerun_command, run_worker  # noqa: E402
 from worker import StepTimer, build_trainer, per_step_logs  # noqa: E402
 
-from grpo_hf.models import DEFAULT_MODEL, resolve_model_path  # noqa: E402
+from grpo_hf.models.loading import DEFAULT_MODEL, resolve_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -26,10 +26,12 @@ import torch
 from accelerate import Accelerator
 from vllm_backend import machine, policy
 
-from grpo_hf import GRPOConfig, rollout
-from grpo_hf.engine.generation import build_generator, sampling_settings
+from grpo_hf import GRPOConfig
+from grpo_hf.data import rollout
+from grpo_hf.engine.backends import build_generator
+from grpo_hf.engine.generation import sampling_settings
 from grpo_hf.engine.logprobs import completion_logps
-from grpo_hf.models import DEFAULT_MODEL, load_tokenizer
+from grpo_hf.models.loading import DEFAULT_MODEL, load_tokenizer
 from grpo_hf.tasks import arithmetic_dataset
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ import torch
 from peft import LoraConfig
 from transformers import Trainer, TrainerCallback
 
-from grpo_hf.models import DEFAULT_MODEL, load_model, load_tokenizer
+from grpo_hf.models.loading import DEFAULT_MODEL, load_model, load_tokenizer
 from grpo_hf.rewards import accuracy_reward
 from grpo_hf.tasks import arithmetic_dataset
 

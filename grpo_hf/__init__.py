@@ -1,6 +1,6 @@
 """grpo-hf: a GRPO trainer for the Hugging Face stack (Trainer-style API, Accelerate, PEFT)."""
 
-from grpo_hf.config import GRPOConfig
+from grpo_hf.config.grpo_config import GRPOConfig
 from grpo_hf.script_args import DatasetConfig, DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 from grpo_hf.script_utils import (
     get_dataset,

@@ -12,11 +12,12 @@ from datasets import Dataset
 from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from grpo_hf import rollout
-from grpo_hf.async_rewards import blocking, is_async_reward
-from grpo_hf.multi_turn import tool_episodes
-from grpo_hf.scoring import RewardFunc, reward_name
-from grpo_hf.tools import Toolbox
+from grpo_hf.data import rollout
+from grpo_hf.engine import local
+from grpo_hf.episodes.multi_turn import tool_episodes
+from grpo_hf.episodes.tools import Toolbox
+from grpo_hf.rewards.async_rewards import blocking, is_async_reward
+from grpo_hf.rewards.scoring import RewardFunc, reward_name
 
 
 @dataclass
@@ -64,7 +65,7 @@ def greedy_accuracy(
         if toolbox is None:
             texts = [rollout.render_prompt(tokenizer, p) for p in rows["prompt"]]
             ids, mask = rollout.tokenize_prompts(tokenizer, texts, None, device)
-            result = rollout.generate(model, ids, mask, config)
+            result = local.generate(model, ids, mask, config)
             completions = rollout.decode_completions(
                 tokenizer, result, chat=not isinstance(rows["prompt"][0], str)
             )
@@ -74,7 +75,7 @@ def greedy_accuracy(
                 toolbox.for_episodes(None, len(rows["prompt"])),
                 [toolbox.schemas[None]] * len(rows["prompt"]),
                 tokenizer,
-                lambda ids, mask, n: rollout.generate(model, ids, mask, _with_max_new_tokens(config, n)),
+                lambda ids, mask, n: local.generate(model, ids, mask, _with_max_new_tokens(config, n)),
                 max_prompt_length=None,
                 max_iterations=max_tool_calling_iterations,
                 max_completion_length=max_new_tokens,

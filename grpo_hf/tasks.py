@@ -35,7 +35,7 @@ from grpo_hf.rewards import (
     make_format_reward,
     tool_use_reward,
 )
-from grpo_hf.scoring import RewardFunc
+from grpo_hf.rewards.scoring import RewardFunc
 
 # Short, because the default model is tiny (SmolLM2-135M-Instruct) and `accuracy_reward` reads a bare
 # number best.

@@ -34,18 +34,13 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 
-from grpo_hf import rollout
-from grpo_hf.advantages import aggregate_rewards, compute_advantages
-from grpo_hf.checkpoints import (
-    NonFiniteGuard,
-    SaveOnInterrupt,
-    checkpoint_to_resume,
-    complete_checkpoint,
-    read_checkpoint,
-)
-from grpo_hf.completion_logs import CompletionLog, completion_rows
-from grpo_hf.config import GRPOConfig, default_output_dir
-from grpo_hf.data import (
+from grpo_hf.algorithm.advantages import aggregate_rewards, compute_advantages
+from grpo_hf.algorithm.loss import LOSS_SETTINGS, adaptive_beta, dapo_normalizers, grpo_loss
+from grpo_hf.algorithm.masks import gather_ragged, policy_weights
+from grpo_hf.algorithm.sampler_correction import sampler_correction, sampler_metrics
+from grpo_hf.config.grpo_config import GRPOConfig, default_output_dir
+from grpo_hf.data import rollout
+from grpo_hf.data.batches import (
     GroupSampler,
     check_datasets,
     is_stream,
@@ -55,37 +50,44 @@ from grpo_hf.data import (
     split_batch,
     trim_padding,
 )
-from grpo_hf.dynamic_sampling import ExtraRounds, ScoredRound, gather_round, sample_teaching_groups
+from grpo_hf.data.rollout import ScoredRound
+from grpo_hf.data.streaming import extra_prompt_source, group_stream, read_in_process
 from grpo_hf.engine import precision_line
-from grpo_hf.engine.generation import build_generator, sampling_settings
+from grpo_hf.engine.backends import build_generator
+from grpo_hf.engine.generation import sampling_settings
 from grpo_hf.engine.logprobs import completion_logps
-from grpo_hf.entropy_control import EntropyCoefficient
-from grpo_hf.environments import (
+from grpo_hf.episodes.dynamic_sampling import ExtraRounds, gather_round, sample_teaching_groups
+from grpo_hf.episodes.environments import (
     EMPTY_PROMPT,
     EnvironmentFactory,
     EnvironmentPool,
     check_reward_source,
     train_dataset_or_placeholder,
 )
-from grpo_hf.loss import LOSS_SETTINGS, adaptive_beta, dapo_normalizers, grpo_loss
-from grpo_hf.masks import gather_ragged, policy_weights
-from grpo_hf.metrics import IntervalMetrics, StepTimer, micro_step_values, round_metrics
-from grpo_hf.models import load_policy, model_init_kwargs, prepare_policy, reward_model_loading
-from grpo_hf.moe import RouterAuxLoss
-from grpo_hf.multi_turn import episode_counts, tool_episodes, tool_metrics
-from grpo_hf.reference import ReferenceSync, load_reference, reference_context
-from grpo_hf.reward_outputs import RewardLogs
-from grpo_hf.rollout_func import RolloutFunc, call_rollout_func
-from grpo_hf.sampler_correction import sampler_correction, sampler_metrics
-from grpo_hf.scoring import (
+from grpo_hf.episodes.multi_turn import episode_counts, tool_episodes, tool_metrics
+from grpo_hf.episodes.rollout_func import RolloutFunc, call_rollout_func
+from grpo_hf.episodes.tools import Toolbox, check_tool_call_format
+from grpo_hf.models.policy import load_policy, model_init_kwargs, prepare_policy, reward_model_loading
+from grpo_hf.models.reference import ReferenceSync, load_reference, reference_context
+from grpo_hf.rewards.reward_outputs import RewardLogs
+from grpo_hf.rewards.scoring import (
     RewardFunc,
     RewardModel,
     reward_name,
     reward_setup,
     score_completions,
 )
-from grpo_hf.streaming import extra_prompt_source, group_stream, read_in_process
-from grpo_hf.tools import Toolbox, check_tool_call_format
+from grpo_hf.training.checkpoints import (
+    NonFiniteGuard,
+    SaveOnInterrupt,
+    checkpoint_to_resume,
+    complete_checkpoint,
+    read_checkpoint,
+)
+from grpo_hf.training.completion_logs import CompletionLog, completion_rows
+from grpo_hf.training.entropy_control import EntropyCoefficient
+from grpo_hf.training.metrics import IntervalMetrics, StepTimer, micro_step_values, round_metrics
+from grpo_hf.training.moe import RouterAuxLoss
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,10 @@ from peft import LoraConfig
 
 from grpo_hf import GRPOConfig, GRPOTrainer, TrlParser
 from grpo_hf.evaluation import greedy_accuracy
-from grpo_hf.models import DEFAULT_MODEL, load_model, load_tokenizer, model_init_kwargs, tokenizer_init_kwargs
+from grpo_hf.models.loading import DEFAULT_MODEL, load_model, load_tokenizer
+from grpo_hf.models.policy import model_init_kwargs, tokenizer_init_kwargs
+from grpo_hf.models.sharding import unsharded_for_generation
 from grpo_hf.plotting import plot_training
-from grpo_hf.sharding import unsharded_for_generation
 from grpo_hf.tasks import TASKS
 
 

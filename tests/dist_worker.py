@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
 
 from grpo_hf import GRPOTrainer
-from grpo_hf.rollout import Rollout, completion_mask_after_eos
+from grpo_hf.data.rollout import Rollout, completion_mask_after_eos
 
 
 @dataclass(frozen=True)

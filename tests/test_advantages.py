@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_hf.advantages import (
+from grpo_hf.algorithm.advantages import (
     EPS,
     aggregate_rewards,
     combine_rewards,

@@ -9,8 +9,8 @@ import torch
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
 
-from grpo_hf.async_rewards import is_async_reward
-from grpo_hf.scoring import score_completions
+from grpo_hf.rewards.async_rewards import is_async_reward
+from grpo_hf.rewards.scoring import score_completions
 
 PROMPTS = ["a", "b", "c"]
 COMPLETIONS = ["x", "yy", "zzz"]

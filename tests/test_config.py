@@ -2,7 +2,7 @@
 
 import pytest
 
-from grpo_hf.config import GRPOConfig
+from grpo_hf.config.grpo_config import GRPOConfig
 
 
 def make(tmp_path, **kwargs) -> GRPOConfig:

@@ -92,7 +92,9 @@ def test_the_variable_makes_the_cpu_run_as_the_other_kind(value, monkeypatch, cl
     monkeypatch.setenv(cpu.CPU_BF16_VARIABLE, value)
     assert cpu.native_bf16() is (value == "1")
     native, line = native_bf16_line(use_cpu=True)
-    assert native is (value == "1") and line.startswith("precision: bf16" if value == "1" else "precision: fp32")
+    assert native is (value == "1") and line.startswith(
+        "precision: bf16" if value == "1" else "precision: fp32"
+    )
     assert f"({cpu.CPU_BF16_VARIABLE} says so)" in line
     assert make_config(tmp_path, bf16=None, precision="auto").bf16 is (value == "1")
     if value == "0":  # as on AVX2: no oneDNN bf16 / fp16 reorder, whatever the CPU has; float32 keeps it

@@ -11,10 +11,10 @@ from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward
 from transformers import HfArgumentParser
 
 from grpo_hf import GRPOConfig, GRPOTrainer
-from grpo_hf.data import GroupSampler, keep_rows, padded_to_multiple, trim_padding
-from grpo_hf.rollout import Rollout, render_prompt, tokenize_prompts
-from grpo_hf.scoring import RewardModel, score_with_model
-from grpo_hf.tools import Toolbox, ToolResultRenderer, render_tool_prompt
+from grpo_hf.data.batches import GroupSampler, keep_rows, padded_to_multiple, trim_padding
+from grpo_hf.data.rollout import Rollout, render_prompt, tokenize_prompts
+from grpo_hf.episodes.tools import Toolbox, ToolResultRenderer, render_tool_prompt
+from grpo_hf.rewards.scoring import RewardModel, score_with_model
 
 # A chat template that cannot render without the keyword `marker`, and writes it first.
 MARKED_TEMPLATE = (

@@ -147,7 +147,7 @@ def test_generation_backend_overrides_the_choice_or_names_the_setting():
 def test_both_backends_decode_the_same_greedy_tokens():
     from transformers import GenerationConfig
 
-    from grpo_hf.rollout import generate
+    from grpo_hf.engine.local import generate
 
     model, (ids, mask) = tiny_llama().eval(), prompts()
     config = GenerationConfig(do_sample=False, max_new_tokens=8, pad_token_id=0, eos_token_id=[2])

@@ -6,9 +6,9 @@ from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, make_config
 
 from grpo_hf import GRPOConfig
-from grpo_hf.data import extra_prompt_indices
-from grpo_hf.dynamic_sampling import select_groups, stack_rollouts
-from grpo_hf.rollout import Rollout
+from grpo_hf.data.batches import extra_prompt_indices
+from grpo_hf.data.rollout import Rollout
+from grpo_hf.episodes.dynamic_sampling import select_groups, stack_rollouts
 
 G = 4
 

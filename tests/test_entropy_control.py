@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_hf.entropy_control import EntropyCoefficient
+from grpo_hf.training.entropy_control import EntropyCoefficient
 
 
 def settings(**kwargs) -> SimpleNamespace:

@@ -13,13 +13,13 @@ from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, length_reward, make_config
 
 from grpo_hf import GRPOTrainer
-from grpo_hf.environments import (
+from grpo_hf.data.rollout import Rollout, completion_mask_after_eos
+from grpo_hf.episodes.environments import (
     EMPTY_PROMPT,
     EnvironmentPool,
     check_reward_source,
     train_dataset_or_placeholder,
 )
-from grpo_hf.rollout import Rollout, completion_mask_after_eos
 
 TOKENIZER = tiny_tokenizer()
 EOS = TOKENIZER.eos_token_id

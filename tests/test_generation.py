@@ -11,13 +11,15 @@ from peft import LoraConfig
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, length_reward, make_config
 
-from grpo_hf import GRPOTrainer, rollout
-from grpo_hf.config import GRPOConfig
-from grpo_hf.engine.generation import LocalGenerator, local_method
+from grpo_hf import GRPOTrainer
+from grpo_hf.config.grpo_config import GRPOConfig
+from grpo_hf.data import rollout
+from grpo_hf.engine.backends import local_method
 from grpo_hf.engine.generation_copy import GenerationCopy
+from grpo_hf.engine.local import LocalGenerator
 from grpo_hf.engine.logprobs import completion_logps
-from grpo_hf.multi_turn import run_episodes
-from grpo_hf.rollout_func import rollout_from_lists
+from grpo_hf.episodes.multi_turn import run_episodes
+from grpo_hf.episodes.rollout_func import rollout_from_lists
 
 
 def config(tmp_path, **kwargs) -> GRPOConfig:
@@ -232,7 +234,7 @@ def test_rollout_func_output_becomes_the_rollout_and_reward_columns(tmp_path):
 def test_rollout_func_output_is_checked():
     with pytest.raises(ValueError, match="one log-prob per completion token"):
         rollout_from_lists([[1]], [[2, 3]], [[-0.1]], None, [0], 0, torch.device("cpu"))
-    from grpo_hf.rollout_func import call_rollout_func
+    from grpo_hf.episodes.rollout_func import call_rollout_func
 
     tokenizer = tiny_tokenizer()
     with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\]"):
@@ -280,6 +282,5 @@ def _sampling(tokenizer):
 
 
 def _empty(context_ids):
-    from grpo_hf.engine.generation import empty_rollout
 
-    return empty_rollout(context_ids, context_ids)
+    return rollout.Rollout.empty(context_ids, context_ids)

@@ -8,7 +8,9 @@ from trainer_helpers import chat_dataset, length_reward, make_config
 from transformers import GenerationConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from grpo_hf import GRPOTrainer, rollout
+from grpo_hf import GRPOTrainer
+from grpo_hf.data import rollout
+from grpo_hf.engine import local
 from grpo_hf.engine.generation_copy import DECODE_ATTENTION, GenerationCopy, decode_attention
 
 
@@ -124,8 +126,8 @@ def test_generation_copy_decodes_the_same_tokens_as_the_policy(build):
     ]
     ids, mask = rollout.tokenize_prompts(tokenizer, texts, None, torch.device("cpu"))
     config = GenerationConfig(do_sample=False, max_new_tokens=10, pad_token_id=0, eos_token_id=[2])
-    ours = rollout.generate(copy, ids, mask, config).completion_ids
-    theirs = rollout.generate(policy, ids, mask, config).completion_ids
+    ours = local.generate(copy, ids, mask, config).completion_ids
+    theirs = local.generate(policy, ids, mask, config).completion_ids
     assert torch.equal(ours, theirs)
 
 
@@ -148,5 +150,5 @@ def test_float32_lora_training_samples_from_a_merged_float32_copy(tmp_path):
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     mask = torch.ones_like(ids)
     config = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=[2])
-    merged = rollout.generate(copy.refresh(), ids, mask, config).completion_ids
-    assert torch.equal(merged, rollout.generate(policy, ids, mask, config).completion_ids)
+    merged = local.generate(copy.refresh(), ids, mask, config).completion_ids
+    assert torch.equal(merged, local.generate(policy, ids, mask, config).completion_ids)

@@ -8,8 +8,8 @@ from trainer_helpers import chat_dataset, length_reward, make_config
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.engine import logprobs
-from grpo_hf.engine.logprobs import Float32Head, completion_logps
-from grpo_hf.models import cast_lm_head_to_fp32
+from grpo_hf.engine.logprobs import completion_logps
+from grpo_hf.models.policy import Float32Head, cast_lm_head_to_fp32
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26]])  # (2, 7): completion C = 3
 C = 3

@@ -6,7 +6,8 @@ import torch
 from tiny_models import ScriptedDecoder
 from transformers import GenerationConfig
 
-from grpo_hf import rollout
+from grpo_hf.data import rollout
+from grpo_hf.engine import local
 
 
 class LockstepDecoder(ScriptedDecoder):
@@ -23,7 +24,7 @@ def generate(monkeypatch, all_done):
     monkeypatch.setattr(rollout, "decoder_for", lambda *args: decoder)
     ids = torch.ones(2, 3, dtype=torch.long)
     config = GenerationConfig(do_sample=False, max_new_tokens=8, pad_token_id=0, eos_token_id=[2])
-    return rollout.generate(
+    return local.generate(
         torch.nn.Linear(1, 1), ids, torch.ones_like(ids), config, all_done=all_done
     ), decoder
 

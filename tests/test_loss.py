@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from grpo_hf.config import LOSS_TYPES
-from grpo_hf.loss import adaptive_beta, aggregate, grpo_loss, importance_log_ratio, kl_estimate
-from grpo_hf.policy_terms import clipped_surrogate
+from grpo_hf.algorithm.loss import adaptive_beta, aggregate, grpo_loss, importance_log_ratio, kl_estimate
+from grpo_hf.algorithm.policy_terms import clipped_surrogate
+from grpo_hf.config.grpo_config import LOSS_TYPES
 
 LOG2 = math.log(2.0)
 # One hand-made micro-batch: 2 sequences x 3 completion positions, the first one padded at t = 2.

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_hf.masks import gather_ragged, get_high_entropy_mask, get_off_policy_mask, policy_weights
-from grpo_hf.sampler_correction import SamplerCorrection
+from grpo_hf.algorithm.masks import gather_ragged, get_high_entropy_mask, get_off_policy_mask, policy_weights
+from grpo_hf.algorithm.sampler_correction import SamplerCorrection
 
 # ---- Off-policy sequence mask ------------------------------------------------------------------
 

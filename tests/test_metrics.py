@@ -7,7 +7,12 @@ import pytest
 import torch
 from accelerate import PartialState
 
-from grpo_hf.metrics import IntervalMetrics, completion_metrics, reduce_logged_metrics, reward_metrics
+from grpo_hf.training.metrics import (
+    IntervalMetrics,
+    completion_metrics,
+    reduce_logged_metrics,
+    reward_metrics,
+)
 
 NAN = math.nan
 

@@ -17,8 +17,8 @@ from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForSequenceClassi
 from transformers.utils import HF_MODULES_CACHE
 
 from grpo_hf import GRPOTrainer
-from grpo_hf.models import model_init_kwargs, reference_init_kwargs, tokenizer_init_kwargs
-from grpo_hf.scoring import RewardModel
+from grpo_hf.models.policy import model_init_kwargs, reference_init_kwargs, tokenizer_init_kwargs
+from grpo_hf.rewards.scoring import RewardModel
 
 
 def saved_model(folder: Path, dtype: torch.dtype = torch.float32) -> str:
@@ -117,7 +117,7 @@ def test_quantization_config_goes_to_from_pretrained(tmp_path, monkeypatch):
         received.update(kwargs)
         return tiny_llama()
 
-    monkeypatch.setattr("grpo_hf.models.AutoModelForCausalLM.from_pretrained", from_pretrained)
+    monkeypatch.setattr("grpo_hf.models.loading.AutoModelForCausalLM.from_pretrained", from_pretrained)
     quantization = SimpleNamespace(quant_method="some_method")  # any config: handed on as it is
     trainer = GRPOTrainer(
         model=saved_model(tmp_path / "m"),

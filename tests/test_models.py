@@ -1,4 +1,4 @@
-"""Tests for `grpo_hf.models`: the real embedded default model, its cache, and the setting's errors.
+"""Tests for `grpo_hf.models.loading`: the real embedded default model, its cache, and the setting's errors.
 
 The default model is converted into the machine-wide cache (`$GRPO_HF_CACHE`, else
 `~/.cache/grpo_hf`), never a temporary folder, so the ~35 s conversion happens once per machine.
@@ -18,8 +18,8 @@ import torch
 from gguf import GGUFWriter
 from transformers import AutoTokenizer, GenerationConfig
 
-from grpo_hf import models
-from grpo_hf.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_path
+from grpo_hf.models import loading as models
+from grpo_hf.models.loading import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_path
 
 
 @pytest.fixture(scope="session")
@@ -105,7 +105,7 @@ def _save_without_special_tokens(checkpoint: str, out: Path, *names: str) -> Non
 
 def test_missing_pad_token_falls_back_to_eos(default_checkpoint: str, tmp_path: Path, caplog) -> None:
     _save_without_special_tokens(default_checkpoint, tmp_path, "pad_token")
-    with caplog.at_level(logging.INFO, logger="grpo_hf.models"):
+    with caplog.at_level(logging.INFO, logger="grpo_hf.models.loading"):
         reloaded = load_tokenizer(str(tmp_path))
     assert reloaded.pad_token == reloaded.eos_token == "<|im_end|>"
     assert "no pad token" in caplog.text

@@ -9,7 +9,7 @@ from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from grpo_hf.engine.logprobs import completion_logps, position_ids_from_mask
-from grpo_hf.moe import RouterAuxLoss, resolve_router_aux_loss_coef
+from grpo_hf.training.moe import RouterAuxLoss, resolve_router_aux_loss_coef
 
 
 def tiny_qwen3_moe(num_experts: int = 4, top_k: int = 2) -> Qwen3MoeForCausalLM:

@@ -9,10 +9,10 @@ from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import make_config
 
 from grpo_hf import GRPOTrainer
-from grpo_hf.multi_turn import run_episodes, tool_episodes
+from grpo_hf.data.rollout import Rollout, completion_mask_after_eos
+from grpo_hf.episodes.multi_turn import run_episodes, tool_episodes
+from grpo_hf.episodes.tools import tool_registry
 from grpo_hf.rewards import accuracy_reward
-from grpo_hf.rollout import Rollout, completion_mask_after_eos
-from grpo_hf.tools import tool_registry
 
 TOKENIZER = tiny_tokenizer()
 EOS = TOKENIZER.eos_token_id

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from grpo_hf.config import GRPOConfig
-from grpo_hf.loss import grpo_loss
-from grpo_hf.policy_terms import get_gamma_weights
+from grpo_hf.algorithm.loss import grpo_loss
+from grpo_hf.algorithm.policy_terms import get_gamma_weights
+from grpo_hf.config.grpo_config import GRPOConfig
 
 LOG_HALF = math.log(0.5)
 
@@ -201,7 +201,7 @@ def config(tmp_path, **kwargs) -> GRPOConfig:
     ],
 )
 def test_settings_that_do_not_fit_warn(tmp_path, caplog, kwargs, words):
-    with caplog.at_level(logging.WARNING, logger="grpo_hf.config"):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.config.grpo_config"):
         config(tmp_path, **kwargs)
     assert len(caplog.records) == 1, caplog.text
     for word in words:
@@ -219,7 +219,7 @@ def test_settings_that_do_not_fit_warn(tmp_path, caplog, kwargs, words):
     ],
 )
 def test_settings_that_fit_do_not_warn(tmp_path, caplog, kwargs):
-    with caplog.at_level(logging.WARNING, logger="grpo_hf.config"):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.config.grpo_config"):
         config(tmp_path, **kwargs)
     assert not caplog.records, caplog.text
 

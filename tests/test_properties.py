@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from grpo_hf.advantages import group_advantages, group_std_is_zero
-from grpo_hf.config import LOSS_TYPES
-from grpo_hf.loss import grpo_loss, kl_estimate
-from grpo_hf.policy_terms import clipped_surrogate
+from grpo_hf.algorithm.advantages import group_advantages, group_std_is_zero
+from grpo_hf.algorithm.loss import grpo_loss, kl_estimate
+from grpo_hf.algorithm.policy_terms import clipped_surrogate
+from grpo_hf.config.grpo_config import LOSS_TYPES
 
 SETTINGS = settings(max_examples=60, deadline=None)
 REWARD = st.floats(-1e3, 1e3, width=32)

@@ -12,8 +12,9 @@ from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
 from transformers import TrainerCallback
 
-from grpo_hf import GRPOTrainer, checkpoints
-from grpo_hf.checkpoints import STATE_FILE, last_complete_checkpoint
+from grpo_hf import GRPOTrainer
+from grpo_hf.training import checkpoints
+from grpo_hf.training.checkpoints import STATE_FILE, last_complete_checkpoint
 
 
 def build(
@@ -189,7 +190,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
             raise OSError("disk full")
         real_write(folder, state)
 
-    monkeypatch.setattr("grpo_hf.checkpoints.write_state", crash_on_second)
+    monkeypatch.setattr("grpo_hf.training.checkpoints.write_state", crash_on_second)
     with pytest.raises(OSError, match="disk full"):
         trainer.train()
     assert os.path.isfile(tmp_path / "checkpoint-1" / STATE_FILE)  # not rotated away

@@ -5,7 +5,9 @@ import torch
 from tiny_models import ScriptedDecoder, tiny_gpt2, tiny_llama, tiny_tokenizer
 from transformers import GenerationConfig
 
-from grpo_hf import rollout
+from grpo_hf.data import rollout
+from grpo_hf.engine import local
+from grpo_hf.engine.generation import Sampling
 from grpo_hf.engine.logprobs import unique_rows
 
 
@@ -24,7 +26,7 @@ def test_greedy_decode_matches_model_generate(build):
     tokenizer, model = tiny_tokenizer(), build().eval()
     ids, mask = prompts(tokenizer)
     config = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=[2])
-    ours = rollout.generate(model, ids, mask, config)
+    ours = local.generate(model, ids, mask, config)
     reference = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[
         :, ids.shape[1] :
     ]
@@ -38,7 +40,7 @@ def test_rows_that_drew_eos_leave_the_decoder(monkeypatch):
     monkeypatch.setattr(rollout, "decoder_for", lambda *args: decoder)
     ids = torch.ones(5, 3, dtype=torch.long)
     config = GenerationConfig(do_sample=False, max_new_tokens=8, pad_token_id=0, eos_token_id=[2])
-    result = rollout.generate(torch.nn.Linear(1, 1), ids, torch.ones_like(ids), config)
+    result = local.generate(torch.nn.Linear(1, 1), ids, torch.ones_like(ids), config)
     assert decoder.rows_per_call == [5, 5, 3, 3, 2, 1]  # prefill, then steps 1..5
     assert result.completion_ids.tolist() == [
         [3, 3, 3, 3, 2, 0],
@@ -57,7 +59,7 @@ def test_sample_tokens_follows_the_softmax(block):
     torch.manual_seed(0)
     probs = torch.tensor([0.5, 0.0, 0.3, 0.0, 0.15, 0.05, 0.0])  # 7 tokens: several blocks, a ragged end
     scores = torch.log(probs).expand(40000, 7)  # (N, 7); log 0 = -inf
-    counts = torch.bincount(rollout.sample_tokens(scores, block=block), minlength=7).float() / 40000
+    counts = torch.bincount(local.sample_tokens(scores, block=block), minlength=7).float() / 40000
     # binomial std at p=0.5, N=40000 is 0.0025: 0.01 is 4 std
     torch.testing.assert_close(counts, probs, rtol=0, atol=0.01)
     assert counts[[1, 3, 6]].sum() == 0  # probability 0: never drawn
@@ -66,7 +68,7 @@ def test_sample_tokens_follows_the_softmax(block):
 def test_sample_tokens_rows_are_independent_distributions():
     torch.manual_seed(1)
     scores = torch.tensor([[0.0, -float("inf"), -float("inf")], [-float("inf"), -float("inf"), 5.0]])
-    draws = rollout.sample_tokens(scores.repeat(500, 1), block=2).view(500, 2)  # (500, 2)
+    draws = local.sample_tokens(scores.repeat(500, 1), block=2).view(500, 2)  # (500, 2)
     assert (draws[:, 0] == 0).all() and (draws[:, 1] == 2).all()
 
 
@@ -75,7 +77,7 @@ def test_sample_tokens_tail_next_to_a_dominant_token():
     torch.manual_seed(2)
     probs = torch.full((256,), 0.01 / 255)
     probs[0] = 0.99  # (256,)
-    draws = rollout.sample_tokens(torch.log(probs).expand(40000, 256), block=16)
+    draws = local.sample_tokens(torch.log(probs).expand(40000, 256), block=16)
     tail = (draws != 0).float().mean().item()
     assert abs(tail - 0.01) < 5 * (0.01 * 0.99 / 40000) ** 0.5  # 5 std of the binomial
     assert len(draws[draws != 0].unique()) > 200  # spread over the tail, not stuck on a few tokens
@@ -92,8 +94,8 @@ def test_sampling_knobs_restrict_the_support(build):
     )
     torch.manual_seed(3)
     assert torch.equal(
-        rollout.generate(model, ids, mask, top1).completion_ids,
-        rollout.generate(model, ids, mask, greedy).completion_ids,
+        local.generate(model, ids, mask, top1).completion_ids,
+        local.generate(model, ids, mask, greedy).completion_ids,
     )
 
 
@@ -155,7 +157,10 @@ def test_sampling_knobs_transform_logits_as_model_generate_does(knobs):
         "repetition_penalty": 1.0,
         **knobs,
     }
-    config = rollout.generation_config(max_completion_length=6, pad_token_id=0, eos_token_ids=[2], **settings)
+    extra = settings.pop("generation_kwargs", {})
+    config = local.generation_config(
+        Sampling(max_new_tokens=6, pad_token_id=0, eos_token_ids=[2], generation_kwargs=extra, **settings)
+    )
     model = tiny_llama().eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8)  # peaky distributions, so top_p / min_p cut somewhere
@@ -166,7 +171,7 @@ def test_sampling_knobs_transform_logits_as_model_generate_does(knobs):
         input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
         output_scores=True, return_dict_in_generate=True,
     )  # fmt: skip
-    processors = rollout.logits_processors(config, prompt_width=ids.shape[1])
+    processors = local.logits_processors(config, prompt_width=ids.shape[1])
     cut = 0
     for t, expected in enumerate(out.scores):  # (B, V) each
         prefix = out.sequences[:, : ids.shape[1] + t]
@@ -188,12 +193,14 @@ def test_sampler_logps_are_the_drawn_tokens_log_probs():
 
     tokenizer, model = tiny_tokenizer(), tiny_llama().eval()
     ids, mask = prompts(tokenizer, repeats=2)
-    config = rollout.generation_config(
-        max_completion_length=8, temperature=0.7, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,
-        pad_token_id=0, eos_token_ids=[2],
+    config = local.generation_config(
+        Sampling(
+            max_new_tokens=8, temperature=0.7, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,
+            pad_token_id=0, eos_token_ids=[2],
+        )
     )  # fmt: skip
     torch.manual_seed(5)
-    result = rollout.generate(model, ids, mask, config)
+    result = local.generate(model, ids, mask, config)
     expected, _ = completion_logps(
         model, result.input_ids, result.attention_mask, result.completion_ids.shape[1], temperature=0.7
     )

@@ -10,8 +10,8 @@ from tiny_models import CHAT_TEMPLATE, tiny_tokenizer
 from tokenizers import processors
 from torch import nn
 
-from grpo_hf.reward_outputs import RewardLogs, RewardOutputError, check_reward_values
-from grpo_hf.scoring import RewardModel, score_completions, score_with_model
+from grpo_hf.rewards.reward_outputs import RewardLogs, RewardOutputError, check_reward_values
+from grpo_hf.rewards.scoring import RewardModel, score_completions, score_with_model
 
 
 def test_every_real_number_type_is_a_reward():
@@ -228,7 +228,7 @@ def test_completions_without_any_reward_are_warned_about_and_stay_nan(caplog):
     def only_long(completions, **kwargs):
         return [float(len(c)) if len(c) > 2 else None for c in completions]
 
-    with caplog.at_level("WARNING", logger="grpo_hf.scoring"):
+    with caplog.at_level("WARNING", logger="grpo_hf.rewards.scoring"):
         rewards, *_ = score_logged([only_long, lambda completions, **kw: [None] * len(completions)])
     assert rewards[:2].isnan().all() and rewards[2:, 0].tolist() == [3.0, 4.0]
     assert "All reward functions returned None for 2 of 4 completions" in caplog.text

@@ -11,8 +11,8 @@ from test_trainer import StopAfter
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
 
-from grpo_hf.data import PromptChecker
-from grpo_hf.streaming import ExtraStreamPrompts, GroupStream
+from grpo_hf.data.batches import PromptChecker
+from grpo_hf.data.streaming import ExtraStreamPrompts, GroupStream
 
 
 def stream(n: int = 8) -> IterableDataset:

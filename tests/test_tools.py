@@ -7,7 +7,7 @@ import time
 import pytest
 from tiny_models import tiny_tokenizer
 
-from grpo_hf.tools import (
+from grpo_hf.episodes.tools import (
     Toolbox,
     ToolCall,
     ToolResultRenderer,

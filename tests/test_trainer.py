@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.engine.logprobs import completion_logps
-from grpo_hf.reference import reference_context
+from grpo_hf.models.reference import reference_context
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -10,9 +10,9 @@ from trainer_helpers import FixedCompletionsTrainer, chat_dataset, make_config
 from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
+from grpo_hf.algorithm.loss import grpo_loss
+from grpo_hf.data.rollout import Rollout, completion_mask_after_eos
 from grpo_hf.engine.logprobs import completion_logps
-from grpo_hf.loss import grpo_loss
-from grpo_hf.rollout import Rollout, completion_mask_after_eos
 
 
 def token_count_reward(completion_ids, **kwargs) -> list[float]:

@@ -9,10 +9,10 @@ from test_trainer_loss import RecordingLossTrainer, peaky_llama, token_count_rew
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, make_config
 
-from grpo_hf.checkpoints import read_state
+from grpo_hf.algorithm.loss import grpo_loss
+from grpo_hf.algorithm.sampler_correction import sampler_correction
 from grpo_hf.engine.logprobs import completion_logps
-from grpo_hf.loss import grpo_loss
-from grpo_hf.sampler_correction import sampler_correction
+from grpo_hf.training.checkpoints import read_state
 
 LENGTHS = [3, 4, 5, 6, 6, 7, 8, 9]  # completion tokens per row, EOS included; reward = tokens
 

@@ -17,8 +17,8 @@ from datasets import Dataset
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, make_config
 
-from grpo_hf import completion_logs
-from grpo_hf.completion_logs import CompletionLog, HubUploader
+from grpo_hf.training import completion_logs
+from grpo_hf.training.completion_logs import CompletionLog, HubUploader
 
 ROWS = [0, 0, 0, 0, 1, 1, 1, 1]  # two prompts, G = 4
 
@@ -147,7 +147,7 @@ def test_all_none_rewards_warn_and_those_completions_get_advantage_zero(tmp_path
         return [None if a == "0" else float(len(ids)) for ids, a in zip(completion_ids, answer, strict=True)]
 
     trainer = build(tmp_path, length_unless_first_prompt, beta=0.0)
-    with caplog.at_level(logging.WARNING, logger="grpo_hf.scoring"):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.rewards.scoring"):
         advantages = first_round(trainer)["advantages"]
     assert "All reward functions returned None for 4 of 8 completions" in caplog.text
     s = math.sqrt(5 / 3) + 1e-4
@@ -290,7 +290,7 @@ def test_a_failed_upload_warns_and_its_files_go_up_with_the_next(tmp_path, caplo
     hub = FakeHub(fail_uploads=1)
     (tmp_path / "completions_00001.parquet").write_bytes(b"1")
     uploader = HubUploader("completions", str(tmp_path), private=True, api=hub)
-    with caplog.at_level(logging.WARNING, logger="grpo_hf.completion_logs"):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.training.completion_logs"):
         uploader.upload()
         (tmp_path / "completions_00002.parquet").write_bytes(b"2")
         uploader.finish()

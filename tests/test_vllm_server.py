@@ -16,11 +16,11 @@ from trainer_helpers import chat_dataset, free_port, length_reward, make_config
 from two_processes import launch_two_processes
 
 from grpo_hf import GRPOTrainer
-from grpo_hf.checkpoints import STATE_FILE
 from grpo_hf.engine.generation import Sampling
 from grpo_hf.engine.generation_copy import policy_weights
 from grpo_hf.engine.vllm.client import VLLMClient
 from grpo_hf.engine.vllm.requests import plan_prompts, request_seed, rollout_from_samples, sampling_fields
+from grpo_hf.training.checkpoints import STATE_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = tiny_tokenizer()

@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 
 from grpo_hf import GRPOConfig, GRPOTrainer
-from grpo_hf.rollout import Rollout, completion_mask_after_eos
+from grpo_hf.data.rollout import Rollout, completion_mask_after_eos
 
 
 def free_port() -> int:

@@ -35,7 +35,7 @@ MAX_MODEL_LEN = 768
 
 
 def model_path() -> str:
-    from grpo_hf.models import resolve_model_path
+    from grpo_hf.models.loading import resolve_model_path
 
     return str(resolve_model_path("smollm2-135m-instruct"))
 

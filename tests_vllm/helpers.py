@@ -8,12 +8,14 @@ import torch
 from conftest import model_path
 from peft import LoraConfig
 
-from grpo_hf import GRPOConfig, GRPOTrainer, rollout
-from grpo_hf.checkpoints import STATE_FILE
+from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.data import rollout
+from grpo_hf.engine import local
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.logprobs import completion_logps
-from grpo_hf.models import load_model
+from grpo_hf.models.loading import load_model
 from grpo_hf.tasks import arithmetic_dataset
+from grpo_hf.training.checkpoints import STATE_FILE
 
 DATASET = arithmetic_dataset(num_train=32, num_test=4)["train"]
 # The tool tests force the first turn to be a call (vllm_structured_outputs_regex): a 135M model
@@ -85,8 +87,10 @@ def vllm_greedy(trainer: GRPOTrainer, ids, mask, version: int) -> list[list[int]
 def our_greedy(trainer: GRPOTrainer, model, ids, mask) -> list[list[int]]:
     """Our decoder's greedy completions of `model` (LoRA merged into a float32 copy)."""
     plain = GenerationCopy(model, torch.float32).refresh()
-    config = dataclasses.replace(trainer.sampling, generation_kwargs={"do_sample": False}).generation_config()
-    return completions(rollout.generate(plain, ids, mask, config))
+    config = local.generation_config(
+        dataclasses.replace(trainer.sampling, generation_kwargs={"do_sample": False})
+    )
+    return completions(local.generate(plain, ids, mask, config))
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from helpers import (
     make_trainer,
 )
 
-from grpo_hf.config import GRPOConfig
+from grpo_hf.config.grpo_config import GRPOConfig
 from grpo_hf.engine.vllm.colocate import ColocateGenerator
 
 

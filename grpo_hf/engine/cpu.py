@@ -20,7 +20,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-
 CPU_BF16_VARIABLE = "GRPO_HF_CPU_BF16"
 
 

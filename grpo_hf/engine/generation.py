@@ -1,15 +1,15 @@
 """The one interface generation goes through: "completions of these prompts" and "new weights".
 
-The trainer holds one `Generator`, made by `build_generator` (the only place a backend is chosen),
-and calls `generate(prompt_ids, prompt_mask, sampling, policy_version)`. `policy_version` is the
+The trainer holds one `Generator`, made by `backends.build_generator` (the only place a backend is
+chosen), and calls `generate(prompt_ids, prompt_mask, sampling, policy_version)`. `policy_version` is the
 trainer's optimizer step: before the first call of a new version the generator takes the policy's
 weights (`load_policy`: refresh the generation copy, push to vLLM), and at no other time, so a
 multi-turn episode's turns and dynamic sampling's extra rounds reuse what the round's first call
 loaded.
 
 Backends:
-- `LocalGenerator`: in the training process, on the policy or its `GenerationCopy`, through our
-  decoding loop (`rollout.generate`), transformers' `generate` (`cache_implementation`, or
+- `local.LocalGenerator`: in the training process, on the policy or its `GenerationCopy`, through
+  our decoding loop (`local.generate`), transformers' `generate` (`cache_implementation`, or
   `generation_kwargs` our loop does not implement) or its continuous batching
   (`use_transformers_continuous_batching`) (`transformers_generate`).
 - vLLM (`generation_backend="vllm"`): `vllm.colocate.ColocateGenerator` (an engine in each training
@@ -21,20 +21,12 @@ between processes (multi-turn episodes) keep calling with no rows until every pr
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 from accelerate import Accelerator
-from torch import nn
-from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from grpo_hf import rollout
-from grpo_hf.engine import transformers_generate
-from grpo_hf.engine.generation_copy import GenerationCopy
-from grpo_hf.reference import is_peft_model
-from grpo_hf.rollout import Rollout
-from grpo_hf.sharding import unsharded_for_generation
+from grpo_hf.data.rollout import Rollout
 
 
 @dataclass(frozen=True)
@@ -54,29 +46,6 @@ class Sampling:
 
     def with_max_new_tokens(self, max_new_tokens: int) -> "Sampling":
         return replace(self, max_new_tokens=max_new_tokens)
-
-    def generation_config(self) -> GenerationConfig:
-        """As a transformers GenerationConfig (our decoder, generate, continuous batching)."""
-        return rollout.generation_config(
-            max_completion_length=self.max_new_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            pad_token_id=self.pad_token_id,
-            eos_token_ids=self.eos_token_ids,
-            generation_kwargs=self.generation_kwargs,
-        )
-
-
-def empty_rollout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Rollout:
-    """The rollout of zero rows (a process with nothing to generate in a collective call)."""
-    nothing = torch.zeros((0, 0), dtype=torch.long, device=prompt_ids.device)
-    return rollout.Rollout(
-        prompt_ids, prompt_mask, nothing, nothing, torch.zeros(0, dtype=torch.bool, device=nothing.device),
-        torch.zeros((0, 0), device=nothing.device),
-    )  # fmt: skip
 
 
 class Generator(ABC):
@@ -118,56 +87,6 @@ class Generator(ABC):
         """The backend's completions."""
 
 
-class LocalGenerator(Generator):
-    """Generation in the training process, on the policy or its `GenerationCopy`.
-
-    `method`: 'decoder' (our decoding loop; `decoder` is generation_backend's choice of decoder),
-    'generate' (transformers' generate) or 'continuous_batching' (transformers' generate_batch).
-    `gather` (`ds3_gather_for_generation`): under ZeRO-3, gather the whole model for generation;
-    False decodes with it partitioned, every process in lockstep (`sharding.unsharded_for_generation`).
-    """
-
-    def __init__(
-        self,
-        accelerator: Accelerator,
-        policy: Callable[[], nn.Module],
-        copy: GenerationCopy | None,
-        method: str = "decoder",
-        decoder: str = "auto",
-        batching_kwargs: dict | None = None,
-        sharded: bool = False,
-        gather: bool = True,
-    ):
-        super().__init__(accelerator)
-        self.policy, self.copy, self.method, self.decoder = policy, copy, method, decoder
-        self.batching_kwargs, self.sharded, self.gather = batching_kwargs or {}, sharded, gather
-
-    @property
-    def collective(self) -> bool:
-        return self.sharded  # whole parameters are gathered around each call
-
-    def load_policy(self) -> None:
-        if self.copy is not None:
-            self.copy.refresh()
-
-    def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:
-        model = self.copy.model if self.copy is not None else self.policy()
-        config = sampling.generation_config()
-        with unsharded_for_generation(model, self.accelerator, self.gather) as all_done:
-            if prompt_ids.shape[0] == 0:
-                if all_done is not None:  # in lockstep every process decodes until all are done
-                    spare = torch.full((1, 1), sampling.pad_token_id, device=prompt_ids.device)
-                    rollout.generate(model, spare, torch.ones_like(spare), config, self.decoder, all_done)
-                return empty_rollout(prompt_ids, prompt_mask)
-            if self.method == "generate":
-                return transformers_generate.with_generate(model, prompt_ids, prompt_mask, config)
-            if self.method == "continuous_batching":
-                return transformers_generate.with_continuous_batching(
-                    model, prompt_ids, prompt_mask, config, self.batching_kwargs
-                )
-            return rollout.generate(model, prompt_ids, prompt_mask, config, self.decoder, all_done)
-
-
 def sampling_settings(args, eos_token_ids: list[int], pad_token_id: int) -> Sampling:
     """The run's `Sampling`, from its settings (cache_implementation joins the GenerationConfig keys)."""
     extra = dict(args.generation_kwargs)
@@ -184,69 +103,4 @@ def sampling_settings(args, eos_token_ids: list[int], pad_token_id: int) -> Samp
         pad_token_id=pad_token_id,
         generation_kwargs=extra,
         seed=args.seed,
-    )
-
-
-def local_method(args) -> str:
-    """Which local engine the settings ask for: continuous batching, transformers' generate (a cache
-    implementation, or generation_kwargs our decoding loop does not implement), or our decoder."""
-    if args.use_transformers_continuous_batching:
-        return "continuous_batching"
-    if args.cache_implementation is not None or set(args.generation_kwargs) - rollout.DECODER_KEYS:
-        return "generate"
-    return "decoder"
-
-
-def generation_copy_for(args, model: nn.Module, sharded: bool, method: str) -> GenerationCopy | None:
-    """A plain copy to sample from: in generation_dtype (or bf16 under --bf16), and with LoRA always.
-
-    With LoRA the copy holds the adapters merged, so a Llama decodes through `LlamaDecoder` on
-    plain weights instead of the PEFT model's forward (a float32 round of the bench workload on an
-    AVX2 CPU: see README); it costs one more copy of the weights in that dtype.
-    """
-    if sharded and args.generation_dtype is not None:
-        raise ValueError(
-            "generation_dtype needs the whole model on each process; unset it under FSDP/DeepSpeed."
-        )
-    if sharded:
-        return None
-    model_dtype = next(model.parameters()).dtype
-    name = args.generation_dtype or ("bfloat16" if args.bf16 else None)
-    dtype = getattr(torch, name) if name else model_dtype
-    if dtype == model_dtype and not is_peft_model(model):
-        return None
-    return GenerationCopy(model, dtype, decode_attention=method != "continuous_batching")
-
-
-def build_generator(
-    args,
-    accelerator: Accelerator,
-    model: nn.Module,
-    policy: Callable[[], nn.Module],
-    tokenizer: PreTrainedTokenizerBase,
-    sharded: bool,
-) -> Generator:
-    """The run's generator: the one place a backend is chosen. `model` is the policy as built (before
-    Accelerate wraps it), `policy()` the trainer's current unwrapped policy, `sharded` whether FSDP
-    or DeepSpeed holds its parameters."""
-    if args.generation_backend == "vllm":
-        from grpo_hf.engine.vllm import vllm_generator
-
-        return vllm_generator(args, accelerator, model, policy, tokenizer)
-    method = local_method(args)
-    if not args.ds3_gather_for_generation and method != "decoder":
-        raise ValueError(
-            "ds3_gather_for_generation=False decodes through our decoder only; unset cache_implementation, "
-            "use_transformers_continuous_batching and the generation_kwargs it does not implement "
-            f"({sorted(set(args.generation_kwargs) - rollout.DECODER_KEYS)}), or set ds3_gather_for_generation=True."
-        )
-    return LocalGenerator(
-        accelerator,
-        policy,
-        generation_copy_for(args, model, sharded, method),
-        method=method,
-        decoder=args.generation_backend,
-        batching_kwargs=args.transformers_continuous_batching_config,
-        sharded=sharded,
-        gather=args.ds3_gather_for_generation,
     )

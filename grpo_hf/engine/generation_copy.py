@@ -27,8 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from grpo_hf.engine.attention import bias_from, grouped_attention
-from grpo_hf.engine.logprobs import Float32Head
-from grpo_hf.reference import is_peft_model
+from grpo_hf.models.policy import Float32Head, is_peft_model
 
 DECODE_ATTENTION = "grpo_hf_decode"
 

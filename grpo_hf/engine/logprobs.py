@@ -32,6 +32,7 @@ from transformers import DynamicCache
 
 from grpo_hf.engine.packing import PackedRows, can_pack, packed_forward, unwrapped
 from grpo_hf.engine.token_scores import head_token_logps, token_logps_and_entropy
+from grpo_hf.models.policy import Float32Head
 
 # Largest rows x length^2 that takes the math attention kernel on a CPU: 16 rows of 256 tokens.
 # Its backward keeps the attention weights, rows x heads x length^2 per layer.
@@ -114,18 +115,6 @@ def completion_logits(
         use_cache=True,
     )
     return torch.cat([first.unsqueeze(1), out.logits[:, :-1]], dim=1)  # (B, C, V)
-
-
-class Float32Head(nn.Linear):
-    """An LM head that computes in float32 whatever the model's dtype or autocast (ScaleRL, arXiv
-    2510.13786; `GRPOConfig.cast_lm_head_to_fp32`, `models.cast_lm_head_to_fp32`): float32 weights,
-    and the product taken with autocast off on the hidden states cast to float32. The padding-free
-    pass's fused head takes its products in float32 for it too (`_ScoringHead`)."""
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(hidden.device.type, enabled=False):
-            bias = None if self.bias is None else self.bias.float()
-            return nn.functional.linear(hidden.float(), self.weight.float(), bias)
 
 
 class _ScoringHead(nn.Module):

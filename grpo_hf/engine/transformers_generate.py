@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from grpo_hf.rollout import Rollout, completion_mask_after_eos, right_padded
+from grpo_hf.data.rollout import Rollout, right_padded
 
 
 def _finish(
@@ -25,13 +25,9 @@ def _finish(
     logps: torch.Tensor | None,
     config: GenerationConfig,
 ) -> Rollout:
-    """Mask after the first EOS (ids -> pad, log-probs -> 0) and pack a Rollout."""
+    """The Rollout of generate's rows, cut after their first EOS."""
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    mask, truncated = completion_mask_after_eos(completion_ids, eos)  # (B, C), (B,)
-    completion_ids = completion_ids.masked_fill(mask == 0, config.pad_token_id)
-    if logps is not None:
-        logps = logps.masked_fill(mask == 0, 0.0)
-    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated, logps)
+    return Rollout.from_tokens(prompt_ids, prompt_mask, completion_ids, logps, eos, config.pad_token_id)
 
 
 @torch.no_grad()

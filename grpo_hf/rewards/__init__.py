@@ -1,6 +1,6 @@
 """Built-in reward functions: pure, no I/O, never raising on model text.
 
-Contract (the trainer's, see `grpo_hf.scoring`): a reward function is called with keyword arguments
+Contract (the trainer's, see `grpo_hf.rewards.scoring`): a reward function is called with keyword arguments
 only, `f(prompts=..., completions=..., completion_ids=..., **dataset_columns)`, and returns one
 float per completion, or None where it does not apply. A completion is a str (plain-text prompt) or
 a list of chat messages (`completion_text` turns either into text). Parameterised rewards come from

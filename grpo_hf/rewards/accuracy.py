@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 from math_verify import parse, verify
 
+from grpo_hf.rewards.scoring import RewardFunc
 from grpo_hf.rewards.text import LATEX_COMMAND, WORD, extract_answer, final_answer_text
-from grpo_hf.scoring import RewardFunc
 
 MAX_ANSWER_CHARS = 100
 # An operation left undone: an operator between two operands ("37 + 45", "2 \times 3", "(3+4)*2").

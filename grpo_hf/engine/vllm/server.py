@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from torch import nn
 
+from grpo_hf.data.rollout import Rollout
 from grpo_hf.engine.generation import Generator, Sampling
 from grpo_hf.engine.vllm.client import VLLMClient
 from grpo_hf.engine.vllm.requests import (
@@ -31,8 +32,7 @@ from grpo_hf.engine.vllm.requests import (
     sampling_fields,
 )
 from grpo_hf.engine.vllm.weights import FileWeights, NcclWeights, vllm_weights
-from grpo_hf.rollout import Rollout
-from grpo_hf.sharding import unsharded_for_generation
+from grpo_hf.models.sharding import unsharded_for_generation
 
 _ERRORS = {error.__name__: error for error in (ConnectionError, TimeoutError, RuntimeError, ValueError)}
 

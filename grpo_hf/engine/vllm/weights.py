@@ -22,12 +22,12 @@ from torch import nn
 
 from grpo_hf.engine.generation_copy import policy_weights
 from grpo_hf.engine.vllm.client import VLLMClient
-from grpo_hf.reference import is_peft_model
+from grpo_hf.models.policy import base_model
 
 
 def ties_embeddings(model: nn.Module) -> bool:
     """Whether the policy's LM head is its input embedding (vLLM's copy ties them too)."""
-    base = model.get_base_model() if is_peft_model(model) else model
+    base = base_model(model)
     return bool(base.config.get_text_config().tie_word_embeddings)
 
 

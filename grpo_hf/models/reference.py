@@ -21,19 +21,14 @@ from collections.abc import Callable, Iterator
 
 import torch
 from accelerate import Accelerator
-from peft import PeftModel
 from torch import nn
 from transformers import PreTrainedModel, TrainerCallback
 
-from grpo_hf.models import cast_lm_head_to_fp32, load_model, reference_init_kwargs
-from grpo_hf.sharding import parameters_for_mixing, prepare_reference, zero3_partitioned
+from grpo_hf.models.loading import load_model
+from grpo_hf.models.policy import cast_lm_head_to_fp32, is_peft_model, reference_init_kwargs
+from grpo_hf.models.sharding import parameters_for_mixing, prepare_reference, zero3_partitioned
 
 logger = logging.getLogger(__name__)
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    """True for a model wrapped by PEFT (LoRA and friends)."""
-    return isinstance(model, PeftModel)
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

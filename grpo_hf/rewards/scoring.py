@@ -40,8 +40,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from grpo_hf.async_rewards import AsyncRewardCalls, blocking, is_async_reward
-from grpo_hf.reward_outputs import CallLog, RewardLogs, RewardOutputError, check_reward_values
+from grpo_hf.rewards.async_rewards import AsyncRewardCalls, blocking, is_async_reward
+from grpo_hf.rewards.reward_outputs import CallLog, RewardLogs, RewardOutputError, check_reward_values
 
 logger = logging.getLogger(__name__)
 

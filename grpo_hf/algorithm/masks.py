@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from grpo_hf.sampler_correction import SamplerCorrection, sampler_is_weights
+from grpo_hf.algorithm.sampler_correction import SamplerCorrection, sampler_is_weights
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 

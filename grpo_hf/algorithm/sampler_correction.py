@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_hf.policy_terms import Metrics, masked_mean
+from grpo_hf.algorithm.policy_terms import Metrics, masked_mean
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 

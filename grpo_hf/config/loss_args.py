@@ -11,9 +11,9 @@ are `GRPOConfig`'s own.
 import warnings
 from dataclasses import dataclass, field
 
-from grpo_hf.config_checks import check_choices, check_ranges
-from grpo_hf.policy_terms import CLIPPED_LOSS_TYPES, POLICY_TERMS
-from grpo_hf.sampler_correction import IS_MODES
+from grpo_hf.algorithm.policy_terms import CLIPPED_LOSS_TYPES, POLICY_TERMS
+from grpo_hf.algorithm.sampler_correction import IS_MODES
+from grpo_hf.config.checks import check_choices, check_ranges
 
 LOSS_TYPES = tuple(POLICY_TERMS)
 KL_ESTIMATORS = ("k1", "k2", "k3")

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from grpo_hf.rollout import Rollout, left_padded, tokenize_prompts
-from grpo_hf.tools import (
+from grpo_hf.data.rollout import Rollout, left_padded, tokenize_prompts
+from grpo_hf.episodes.tools import (
     ToolCall,
     ToolResult,
     ToolResultRenderer,

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import datasets
 import torch
 
-from grpo_hf.data import EXTRA_STREAM_SEED, ExtraPrompts, PromptChecker, is_stream
+from grpo_hf.data.batches import EXTRA_STREAM_SEED, ExtraPrompts, PromptChecker, is_stream
 
 
 def stream_rows(source: datasets.IterableDataset, checker: PromptChecker, endless: bool) -> Iterator[dict]:

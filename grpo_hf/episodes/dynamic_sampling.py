@@ -25,29 +25,14 @@ What is implemented, and where it departs from the paper:
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from grpo_hf.advantages import group_std_is_zero
-from grpo_hf.rollout import Rollout
-
-
-@dataclass
-class ScoredRound:
-    """Completions of one generation pass with their rewards (one process's rows, or gathered)."""
-
-    result: Rollout
-    prompts: list
-    completions: list
-    rewards_per_func: torch.Tensor  # (N, F) NaN = does not apply
-    errors: int  # completions scored 0 after a reward function raised (this process's)
-    retried: int  # batches a reward function raised on but scored one by one (this process's)
-    seconds: float  # generation time (this process's)
-    extra_rows: list[dict]  # per row: the columns reward functions logged with log_extra
-    logged_metrics: dict[str, list[float]]  # what reward functions logged with log_metric (this process's)
+from grpo_hf.algorithm.advantages import group_std_is_zero
+from grpo_hf.data.rollout import Rollout, ScoredRound
 
 
 class ExtraRounds:

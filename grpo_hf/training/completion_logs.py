@@ -29,10 +29,9 @@ from accelerate.utils import gather_object
 from pyarrow import parquet
 from transformers import TrainerCallback
 
-from grpo_hf.advantages import combine_rewards
-from grpo_hf.config import GRPOConfig
-from grpo_hf.dynamic_sampling import ScoredRound
-from grpo_hf.rollout import message_text, transcript
+from grpo_hf.algorithm.advantages import combine_rewards
+from grpo_hf.config.grpo_config import GRPOConfig
+from grpo_hf.data.rollout import ScoredRound, message_text, transcript
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ and `_resolve_generation_batch` in its `__post_init__`.
 import warnings
 from dataclasses import dataclass, field
 
-from grpo_hf.advantages import AGGREGATIONS
-from grpo_hf.config_checks import check_choices, check_dicts, check_ranges
+from grpo_hf.algorithm.advantages import AGGREGATIONS
+from grpo_hf.config.checks import check_choices, check_dicts, check_ranges
 
 SCALE_REWARDS = ("group", "batch", "none")
 REWARD_ERROR_POLICIES = ("raise", "retry", "zero")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from grpo_hf.rollout import Rollout, decode_completions, left_padded, right_padded
+from grpo_hf.data.rollout import Rollout, decode_completions, left_padded, right_padded
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,4 @@
+"""What a round is made of, with no model in sight: `rollout` (the `Rollout` of a batch of prompts
+and completions, prompt rendering and padding), `batches` (dataset checks, the group sampler, the
+round's loss tensors and micro-batches, `ScoredRound`), `streaming` (iterable datasets in group
+order)."""

@@ -1,0 +1,3 @@
+"""The training plumbing around the loss: checkpoints and their GRPO state (`checkpoints`), metrics
+(`metrics`), completion logs (`completion_logs`), the adaptive entropy coefficient
+(`entropy_control`) and the MoE router loss (`moe`)."""
