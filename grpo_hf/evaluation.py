@@ -63,11 +63,8 @@ def greedy_accuracy(
     for start in range(0, len(dataset), batch_size):
         rows = dataset[start : start + batch_size]
         if toolbox is None:
-            texts = [rollout.render_prompt(tokenizer, p) for p in rows["prompt"]]
-            ids, mask = rollout.tokenize_prompts(tokenizer, texts, None, device)
-            result = local.generate(model, ids, mask, config)
-            completions = rollout.decode_completions(
-                tokenizer, result, chat=not isinstance(rows["prompt"][0], str)
+            _, completions = rollout.sample_completions(
+                rows["prompt"], tokenizer, lambda ids, mask: local.generate(model, ids, mask, config), device
             )
         else:
             _, completions, episodes = tool_episodes(

@@ -35,9 +35,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 from transformers.trainer_utils import rotate_checkpoints
 
 from grpo_hf.algorithm.advantages import aggregate_rewards, compute_advantages
-from grpo_hf.algorithm.loss import LOSS_SETTINGS, adaptive_beta, dapo_normalizers, grpo_loss
+from grpo_hf.algorithm.loss import adaptive_beta, dapo_normalizers, grpo_loss
 from grpo_hf.algorithm.masks import gather_ragged, policy_weights
-from grpo_hf.algorithm.sampler_correction import sampler_correction, sampler_metrics
+from grpo_hf.algorithm.sampler_correction import sampler_metrics
 from grpo_hf.config.grpo_config import GRPOConfig, default_output_dir
 from grpo_hf.data import rollout
 from grpo_hf.data.batches import (
@@ -196,8 +196,7 @@ class GRPOTrainer(Trainer):
         position in a generation round and in the extra prompt stream; checkpointed), the metrics,
         and the callbacks."""
         self.beta = args.beta
-        self.loss_settings = {name: getattr(args, name) for name in LOSS_SETTINGS}
-        self.sampler_correction = sampler_correction(args)
+        self.loss_settings = args.loss_settings()
         self.entropy_control = EntropyCoefficient(
             args, lambda t: self.accelerator.reduce(t, "sum"), self.record
         )
@@ -329,8 +328,9 @@ class GRPOTrainer(Trainer):
             result, completions = self._tool_episodes(prompts, names)
         else:
             result, completions = rollout.sample_completions(
-                prompts, self.processing_class, self.generate_completions, args, device
-            )
+                prompts, self.processing_class, self.generate_completions, device, args.max_prompt_length,
+                args.chat_template_kwargs, args.pad_to_multiple_of,
+            )  # fmt: skip
         result = padded_to_multiple(result, args.pad_to_multiple_of, self.processing_class.pad_token_id)
         seconds = time.perf_counter() - start
         completion_ids = [
@@ -455,19 +455,19 @@ class GRPOTrainer(Trainer):
             logps, entropy = self.completion_logps(model, inputs, with_entropy=True)  # (B, C), (B, C)
         old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C) pi_old
         gather = functools.partial(gather_ragged, self.accelerator)
-        weights = policy_weights(self.args, self.sampler_correction, logps, entropy, old, inputs, gather)
+        weights = policy_weights(self.loss_settings, logps, entropy, old, inputs, gather)
         loss, metrics = grpo_loss(
             logps,
             inputs.get("old_logps"),
             inputs.get("ref_logps"),
             inputs["advantages"],
             inputs["completion_mask"],
+            self.loss_settings,
             beta=self.beta,
             entropy=entropy,
             entropy_coef=self.entropy_control.applied(),
             dapo_normalizer=inputs["dapo_normalizer"],
             **weights,
-            **self.loss_settings,
         )
         loss = self.router_aux.added_to(loss, routed, inputs, metrics)
         if self.model.training:

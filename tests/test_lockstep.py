@@ -6,7 +6,6 @@ import torch
 from tiny_models import ScriptedDecoder
 from transformers import GenerationConfig
 
-from grpo_hf.data import rollout
 from grpo_hf.engine import local
 
 
@@ -21,7 +20,7 @@ class LockstepDecoder(ScriptedDecoder):
 
 def generate(monkeypatch, all_done):
     decoder = LockstepDecoder([2, 3])
-    monkeypatch.setattr(rollout, "decoder_for", lambda *args: decoder)
+    monkeypatch.setattr(local, "decoder_for", lambda *args: decoder)
     ids = torch.ones(2, 3, dtype=torch.long)
     config = GenerationConfig(do_sample=False, max_new_tokens=8, pad_token_id=0, eos_token_id=[2])
     return local.generate(

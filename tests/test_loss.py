@@ -1,9 +1,11 @@
 """The GRPO loss, term by term, on hand-made tensors whose values can be checked by hand."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from loss_settings import grpo_loss_with, loss_settings
 
 from grpo_hf.algorithm.loss import adaptive_beta, aggregate, grpo_loss, importance_log_ratio, kl_estimate
 from grpo_hf.algorithm.policy_terms import clipped_surrogate
@@ -58,7 +60,7 @@ def test_unknown_kl_estimator_raises():
 def loss_and_grad(log_ratio: float, advantage: float, **kwargs) -> tuple[float, float, dict]:
     """Loss of a single token with the given log-ratio, and d loss / d logp."""
     logps = one_token(log_ratio).requires_grad_()  # (1, 1)
-    loss, metrics = grpo_loss(
+    loss, metrics = grpo_loss_with(
         logps, one_token(0.0), None, torch.tensor([advantage]), one_token(1.0), **kwargs
     )
     (grad,) = torch.autograd.grad(loss, logps)
@@ -135,7 +137,7 @@ def test_clip_metrics_on_a_hand_made_batch():
         ]
     )  # (2, 3)
     advantages = torch.tensor([1.0, -1.0])  # (2,)
-    _, metrics = grpo_loss(log_ratio, torch.zeros(2, 3), None, advantages, MASK, epsilon=0.2)
+    _, metrics = grpo_loss_with(log_ratio, torch.zeros(2, 3), None, advantages, MASK, epsilon=0.2)
     # 5 active tokens: 1 clipped high, 2 clipped low
     assert metrics["clip_ratio/high"].item() == pytest.approx(1 / 5)
     assert metrics["clip_ratio/low"].item() == pytest.approx(2 / 5)
@@ -177,7 +179,7 @@ ADVANTAGES = torch.tensor([1.0, -2.0])  # (2,)
     ],
 )
 def test_loss_type_normalisation(loss_type, kwargs, expected):
-    loss, _ = grpo_loss(LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, loss_type=loss_type, **kwargs)
+    loss, _ = grpo_loss_with(LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, loss_type=loss_type, **kwargs)
     assert loss.item() == pytest.approx(expected)
 
 
@@ -204,7 +206,7 @@ def test_aggregate_of_an_empty_mask_is_zero_not_nan(loss_type):
 def test_a_batch_with_no_active_token_anywhere_has_loss_0_and_zero_gradients(loss_type):
     """The trainer's DAPO count is 0 too when every completion of the step is masked."""
     logps = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
-    loss, _ = grpo_loss(
+    loss, _ = grpo_loss_with(
         logps, None, logps.detach() - 0.1, torch.tensor([1.0, -1.0]), torch.zeros(2, 2), loss_type=loss_type,
         beta=0.1, dapo_normalizer=torch.tensor(0.0),
     )  # fmt: skip
@@ -214,8 +216,9 @@ def test_a_batch_with_no_active_token_anywhere_has_loss_0_and_zero_gradients(los
 
 
 def test_unknown_loss_type_raises():
+    settings = dataclasses.replace(loss_settings(), loss_type="ppo")
     with pytest.raises(ValueError, match="loss_type='ppo'"):
-        grpo_loss(LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, loss_type="ppo")
+        grpo_loss(LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, settings)
 
 
 # ---- Sequence-level ratio (GSPO) ---------------------------------------------------------------
@@ -238,10 +241,10 @@ def test_sequence_level_loss_and_gradient_by_hand():
     args = (torch.zeros(1, 3), None, torch.tensor([1.0]), torch.ones(1, 3))
     # Token level: ratios e^0.1 = 1.10517, e^-0.1 = 0.90484, e^0.3 = 1.34986 -> clipped to 1.2;
     #   loss = -(1.10517 + 0.90484 + 1.2) / 3 = -1.07000
-    token_loss, _ = grpo_loss(logps, *args, importance_sampling_level="token")
+    token_loss, _ = grpo_loss_with(logps, *args, importance_sampling_level="token")
     assert token_loss.item() == pytest.approx(-(math.exp(0.1) + math.exp(-0.1) + 1.2) / 3)
     # Sequence level: one ratio exp(mean 0.1) = 1.10517 for all three tokens, inside [0.8, 1.2]
-    seq_loss, _ = grpo_loss(logps, *args, importance_sampling_level="sequence")
+    seq_loss, _ = grpo_loss_with(logps, *args, importance_sampling_level="sequence")
     assert seq_loss.item() == pytest.approx(-math.exp(0.1))
     # loss = -exp(mean_t logp_t): every token gets d/d logp_t = -exp(0.1) / 3 = -0.36839
     (grad,) = torch.autograd.grad(seq_loss, logps)
@@ -258,10 +261,10 @@ ENTROPY = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, 5.0]])  # (2, 3); masked t
 def test_entropy_bonus_is_coef_times_the_token_mean_entropy_for_every_loss_type(loss_type, policy):
     """As TRL: the bonus is not aggregated like the policy term (grpo's row means of the entropy
     would be (1.5 + 4) / 2 = 2.75, dr_grpo's 15 / 6 = 2.5); it is 0.1 x 3 for each loss type."""
-    base, base_metrics = grpo_loss(
+    base, base_metrics = grpo_loss_with(
         LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=ENTROPY, loss_type=loss_type
     )
-    bonus, metrics = grpo_loss(
+    bonus, metrics = grpo_loss_with(
         LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=ENTROPY, entropy_coef=0.1, loss_type=loss_type
     )
     assert base.item() == pytest.approx(policy)  # entropy_coef 0: the metric only
@@ -273,14 +276,14 @@ def test_entropy_bonus_is_coef_times_the_token_mean_entropy_for_every_loss_type(
 
 def test_a_negative_entropy_coef_is_an_entropy_penalty():
     """TRL does not restrict the sign: -0.1 adds 0.1 x the token-mean entropy 3 to dapo's 0.8."""
-    loss, _ = grpo_loss(LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=ENTROPY, entropy_coef=-0.1)
+    loss, _ = grpo_loss_with(LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=ENTROPY, entropy_coef=-0.1)
     assert loss.item() == pytest.approx(0.8 + 0.1 * 3.0)
 
 
 def test_entropy_normalizer_sets_the_bonus_denominator():
     """The trainer passes the optimizer step's token count (here 10, e.g. two micro-batches): the
     bonus is 0.1 x 15 / 10 rather than 0.1 x this micro-batch's own mean 15 / 5."""
-    loss, _ = grpo_loss(
+    loss, _ = grpo_loss_with(
         LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=ENTROPY, entropy_coef=0.1, entropy_normalizer=10.0
     )
     assert loss.item() == pytest.approx(0.8 - 0.1 * 15 / 10)
@@ -290,7 +293,7 @@ def test_entropy_mask_restricts_the_policy_term_and_the_bonus():
     """Keeping (0, 1), (1, 1) and (1, 2): the policy term sums -1 + 2 + 2 = 3 over dapo's 5 tokens, and
     the bonus is 0.1 x the kept tokens' mean entropy (2 + 4 + 5) / 3."""
     kept = torch.tensor([[False, True, False], [False, True, True]])  # (2, 3)
-    loss, metrics = grpo_loss(
+    loss, metrics = grpo_loss_with(
         LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, entropy=ENTROPY, entropy_coef=0.1, entropy_mask=kept
     )
     assert metrics["policy_loss"].item() == pytest.approx(3 / 5)
@@ -302,7 +305,7 @@ def test_off_policy_mask_drops_whole_sequences_from_the_policy_term_only():
     """Row 1 dropped: the policy term keeps row 0's (-1, -1) over 5 tokens; the k1 KL (1 per token,
     ratio 1) stays on all 5 tokens: -2 / 5 + 0.1 x 5 / 5."""
     keep = torch.tensor([[1.0], [0.0]])  # (2, 1)
-    loss, _ = grpo_loss(
+    loss, _ = grpo_loss_with(
         LOGPS, OLD_LOGPS, LOGPS - 1.0, ADVANTAGES, MASK, beta=0.1, kl_estimator="k1", off_policy_mask=keep
     )
     assert loss.item() == pytest.approx(-2 / 5 + 0.1)
@@ -310,7 +313,7 @@ def test_off_policy_mask_drops_whole_sequences_from_the_policy_term_only():
 
 def test_beta_without_ref_logps_raises():
     with pytest.raises(ValueError, match="ref_logps"):
-        grpo_loss(LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, beta=0.04)
+        grpo_loss_with(LOGPS, OLD_LOGPS, None, ADVANTAGES, MASK, beta=0.04)
 
 
 @pytest.mark.parametrize(
@@ -328,8 +331,8 @@ def test_beta_times_kl_is_added(loss_type, mean_kl, bias_correction):
     ref_logps = torch.tensor([[math.log(0.25)] * 3, [math.log(0.5)] * 3])  # (2, 3)
     advantages = torch.tensor([1.0, -1.0])  # (2,)
     common = dict(loss_type=loss_type, use_bias_correction_kl=bias_correction)
-    no_kl, _ = grpo_loss(logps, logps, ref_logps, advantages, MASK, beta=0.0, **common)
-    with_kl, metrics = grpo_loss(logps, logps, ref_logps, advantages, MASK, beta=0.04, **common)
+    no_kl, _ = grpo_loss_with(logps, logps, ref_logps, advantages, MASK, beta=0.0, **common)
+    with_kl, metrics = grpo_loss_with(logps, logps, ref_logps, advantages, MASK, beta=0.04, **common)
     assert (with_kl - no_kl).item() == pytest.approx(0.04 * mean_kl, rel=1e-5)
     assert metrics["kl"].item() == pytest.approx(2 * (LOG2 - 0.5) / 5, rel=1e-5)  # token mean
 
@@ -340,7 +343,7 @@ def test_bias_corrected_k3_gradient_at_ratio_one(bias_correction, grad):
     k3 = e^x - x - 1, d k3 / d logp = 1 - e^x = 0.5. Corrected, r k3 with r = e^(logp - old):
     d / d logp = r k3 + r (1 - e^x) = (log 2 - 0.5) + 0.5 = log 2 at r = 1 (k1's value, logp - ref)."""
     logps = one_token(math.log(0.5)).requires_grad_()
-    loss, _ = grpo_loss(
+    loss, _ = grpo_loss_with(
         logps, None, one_token(math.log(0.25)), torch.tensor([0.0]), one_token(1.0), beta=1.0,
         use_bias_correction_kl=bias_correction,
     )  # fmt: skip
@@ -353,8 +356,8 @@ def test_bias_corrected_kl_is_weighted_by_the_ratio_off_policy():
     0.193147, corrected 1.64872 x 0.193147 = 0.318446; A = 0 leaves the KL alone (beta = 1)."""
     logps, ref = one_token(math.log(0.5)), one_token(math.log(0.25))
     args = (logps, logps - 0.5, ref, torch.tensor([0.0]), one_token(1.0))
-    corrected, metrics = grpo_loss(*args, beta=1.0)
-    plain, _ = grpo_loss(*args, beta=1.0, use_bias_correction_kl=False)
+    corrected, metrics = grpo_loss_with(*args, beta=1.0)
+    plain, _ = grpo_loss_with(*args, beta=1.0, use_bias_correction_kl=False)
     assert plain.item() == pytest.approx(LOG2 - 0.5)
     assert corrected.item() == pytest.approx(math.exp(0.5) * (LOG2 - 0.5))
     assert metrics["kl"].item() == pytest.approx(math.exp(0.5) * (LOG2 - 0.5))  # TRL logs the weighted KL
@@ -363,7 +366,7 @@ def test_bias_corrected_kl_is_weighted_by_the_ratio_off_policy():
 def test_kl_estimator_is_passed_through():
     logps = one_token(math.log(0.5))
     ref = one_token(math.log(0.25))
-    _, metrics = grpo_loss(
+    _, metrics = grpo_loss_with(
         logps, logps, ref, torch.tensor([0.0]), one_token(1.0), beta=0.1, kl_estimator="k1"
     )
     assert metrics["kl"].item() == pytest.approx(LOG2)  # k1 = -x = log 2
@@ -401,7 +404,9 @@ def test_gradient_at_ratio_one_is_advantage_times_grad_logp(loss_type):
         return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
 
     logps = policy_logps()  # (B, T)
-    loss, _ = grpo_loss(logps, logps.detach(), None, advantages, MASK, loss_type=loss_type, epsilon_high=5.0)
+    loss, _ = grpo_loss_with(
+        logps, logps.detach(), None, advantages, MASK, loss_type=loss_type, epsilon_high=5.0
+    )
     got = torch.autograd.grad(loss, list(layer.parameters()))
     # By hand: the policy-gradient loss -A * log pi, aggregated the same way.
     pg_loss = HAND_AGGREGATE[loss_type](-advantages.unsqueeze(1) * policy_logps(), MASK)
@@ -422,8 +427,8 @@ def test_gradient_at_ratio_one_is_advantage_times_grad_logp(loss_type):
 
 def test_old_logps_none_means_same_policy():
     logps = LOGPS.clone().requires_grad_()
-    loss_none, _ = grpo_loss(logps, None, None, ADVANTAGES, MASK)
-    loss_detached, _ = grpo_loss(logps, logps.detach(), None, ADVANTAGES, MASK)
+    loss_none, _ = grpo_loss_with(logps, None, None, ADVANTAGES, MASK)
+    loss_detached, _ = grpo_loss_with(logps, logps.detach(), None, ADVANTAGES, MASK)
     assert loss_none.item() == loss_detached.item()
     torch.testing.assert_close(
         torch.autograd.grad(loss_none, logps)[0], torch.autograd.grad(loss_detached, logps)[0]
@@ -455,7 +460,7 @@ def test_sampler_weights_scale_the_policy_term_only():
     """beta = 0.1 k1 with ref = logp - 1 (KL 1 per token), A = 1, ratio 1: per token -w + 0.1."""
     logps = torch.zeros(1, 2, requires_grad=True)
     weights = torch.tensor([[0.5, 2.0]])
-    loss, _ = grpo_loss(
+    loss, _ = grpo_loss_with(
         logps, None, logps.detach() - 1.0, torch.tensor([1.0]), torch.ones(1, 2), loss_type="bnpo", beta=0.1,
         kl_estimator="k1", sampler_weights=weights,
     )  # fmt: skip

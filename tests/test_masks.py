@@ -1,11 +1,14 @@
 """Off-policy sequence masking and high-entropy token masking, on hand-made batches."""
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from loss_settings import loss_settings
 
+from grpo_hf.algorithm.loss import LossSettings
 from grpo_hf.algorithm.masks import gather_ragged, get_high_entropy_mask, get_off_policy_mask, policy_weights
 from grpo_hf.algorithm.sampler_correction import SamplerCorrection
 
@@ -118,13 +121,14 @@ def test_gather_ragged_keeps_each_process_values_and_drops_the_padding():
 # ---- What the trainer passes to grpo_loss ------------------------------------------------------
 
 
-def settings(**kwargs) -> SimpleNamespace:
-    return SimpleNamespace(**({"off_policy_mask_threshold": None, "top_entropy_quantile": 1.0} | kwargs))
+def settings(correction: SamplerCorrection | None = None, **overrides) -> LossSettings:
+    """A run's loss settings with `overrides` (GRPOConfig's names) and `correction` against the sampler."""
+    return dataclasses.replace(loss_settings(**overrides), sampler_correction=correction)
 
 
 def test_policy_weights_are_all_off_by_default():
     inputs = {"completion_mask": MASK, "advantages": torch.zeros(3), "dapo_normalizer": torch.tensor(7.0)}
-    weights = policy_weights(settings(), None, torch.zeros(3, 3), ENTROPIES, torch.zeros(3, 3), inputs)
+    weights = policy_weights(settings(), torch.zeros(3, 3), ENTROPIES, torch.zeros(3, 3), inputs)
     assert weights == {
         "off_policy_mask": None,
         "entropy_mask": None,
@@ -143,10 +147,10 @@ def test_with_the_high_entropy_mask_the_bonus_divides_by_the_kept_tokens_of_ever
 
     inputs = {"completion_mask": MASK, "advantages": torch.zeros(3), "dapo_normalizer": torch.tensor(7.0)}
     args = settings(top_entropy_quantile=0.5)
-    weights = policy_weights(args, None, torch.zeros(3, 3), ENTROPIES, torch.zeros(3, 3), inputs, gather)
+    weights = policy_weights(args, torch.zeros(3, 3), ENTROPIES, torch.zeros(3, 3), inputs, gather)
     assert weights["entropy_mask"].sum() == 1
     assert weights["entropy_normalizer"].item() == 2.0
-    alone = policy_weights(args, None, torch.zeros(3, 3), ENTROPIES, torch.zeros(3, 3), inputs)
+    alone = policy_weights(args, torch.zeros(3, 3), ENTROPIES, torch.zeros(3, 3), inputs)
     assert alone["entropy_normalizer"].item() == 3.0  # 0.5, 0.3 and 0.7 at or above the median 0.3
 
 
@@ -156,14 +160,15 @@ def test_policy_weights_use_the_sampler_log_probs_where_recorded():
     the 0.8 quantile; sampler weights e^-1 per token, capped at 2 (no bound below)."""
     logps = torch.zeros(3, 3)
     inputs = {"completion_mask": MASK, "advantages": torch.tensor([1.0, -1.0, -1.0])}
-    args = settings(off_policy_mask_threshold=0.5, top_entropy_quantile=0.2)
-    correction = SamplerCorrection("token_truncate", None, 2.0)
-    without = policy_weights(args, correction, logps, ENTROPIES, logps, inputs)
+    args = settings(
+        SamplerCorrection("token_truncate", None, 2.0),
+        off_policy_mask_threshold=0.5,
+        top_entropy_quantile=0.2,
+    )
+    without = policy_weights(args, logps, ENTROPIES, logps, inputs)
     assert without["off_policy_mask"].flatten().tolist() == [1.0, 1.0, 1.0]
     assert without["sampler_weights"] is None  # nothing to correct against
     assert without["entropy_mask"].int().tolist() == [[0, 0, 0], [0, 1, 0], [0, 0, 0]]
-    recorded = policy_weights(
-        args, correction, logps, ENTROPIES, logps, inputs | {"sampler_logps": logps + 1}
-    )
+    recorded = policy_weights(args, logps, ENTROPIES, logps, inputs | {"sampler_logps": logps + 1})
     assert recorded["off_policy_mask"].flatten().tolist() == [1.0, 0.0, 1.0]  # row 2: no loss token, mean 0
     torch.testing.assert_close(recorded["sampler_weights"], torch.exp(-MASK.float()))

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
+from loss_settings import grpo_loss_with
 
-from grpo_hf.algorithm.loss import grpo_loss
 from grpo_hf.algorithm.policy_terms import get_gamma_weights
 from grpo_hf.config.grpo_config import GRPOConfig
 
@@ -21,7 +21,7 @@ def token(value: float) -> torch.Tensor:
 def one_token_loss(log_ratio: float, advantage: float, logp: float = LOG_HALF, **kwargs):
     """Loss, d loss / d logp and metrics of one token with log-prob `logp` and log(pi / pi_old) = log_ratio."""
     logps = token(logp).requires_grad_()
-    loss, metrics = grpo_loss(
+    loss, metrics = grpo_loss_with(
         logps, token(logp - log_ratio), None, torch.tensor([advantage]), token(1.0), **kwargs
     )
     (grad,) = torch.autograd.grad(loss, logps)
@@ -58,7 +58,7 @@ def test_cispo_with_the_sequence_ratio_caps_the_sequence_weight():
     """Two tokens with log-ratios 0.2 and 1.0: GSPO's ratio e^0.6 = 1.82212 capped at 1.5 for both;
     dapo's mean: -1.5 x 1 x (log 0.5 + log 0.25) / 2 = 1.5 x 1.5 log 2 = 1.55958."""
     logps = torch.log(torch.tensor([[0.5, 0.25]]))  # (1, 2)
-    loss, _ = grpo_loss(
+    loss, _ = grpo_loss_with(
         logps, logps - torch.tensor([[0.2, 1.0]]), None, torch.tensor([1.0]), torch.ones(1, 2),
         loss_type="cispo", epsilon_high=1.5, importance_sampling_level="sequence",
     )  # fmt: skip
@@ -95,7 +95,7 @@ def test_sapo_aggregates_like_grpo():
     logps = torch.zeros(2, 3)
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     for tau, value in ((1.0, -2.0), (2.0, -1.0)):
-        loss, _ = grpo_loss(
+        loss, _ = grpo_loss_with(
             logps, None, None, torch.tensor([1.0, 1.0]), mask, loss_type="sapo", sapo_temperature_pos=tau
         )
         assert loss.item() == pytest.approx(value)
@@ -108,7 +108,7 @@ def test_luspo_weighs_each_sequence_by_its_length():
     """GSPO's clipped sequence ratio, summed over each sequence then averaged: rows of 1 and 3 tokens
     with ratio 1 and A = (+1, +1): sums (-1, -3), mean -2 (grpo's would be -1)."""
     mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, _ = grpo_loss(
+    loss, _ = grpo_loss_with(
         torch.zeros(2, 3),
         None,
         None,
@@ -157,7 +157,7 @@ def test_vespo_loss_and_gradient_by_hand():
     """loss = -phi A sum(log pi) / 2 tokens (dapo), phi = 0.637898 without gradient: with log pi =
     (log 0.5, log 0.25), A = 1: 0.637898 x 3 log 2 / 2 = 0.663252; d loss / d log pi_t = -phi / 2."""
     logps = torch.log(torch.tensor([[0.5, 0.25, 1.0]])).requires_grad_()
-    loss, metrics = grpo_loss(
+    loss, metrics = grpo_loss_with(
         logps, logps.detach() - LOG_RATIO, None, torch.tensor([1.0]), MASK, loss_type="vespo"
     )
     assert loss.item() == pytest.approx(0.6378983 * 3 * math.log(2) / 2)
@@ -169,7 +169,7 @@ def test_vespo_loss_and_gradient_by_hand():
 def test_vespo_takes_the_sampler_weights_instead_of_multiplying_by_them():
     """The same token with sampler weights (0.5, 1): phi = 1.207941 (above) instead of 0.637898 x 0.5."""
     logps = torch.log(torch.tensor([[0.5, 0.25, 1.0]]))
-    loss, _ = grpo_loss(
+    loss, _ = grpo_loss_with(
         logps, logps - LOG_RATIO, None, torch.tensor([1.0]), MASK, loss_type="vespo",
         sampler_weights=torch.tensor([[0.5, 1.0, 9.0]]),
     )  # fmt: skip

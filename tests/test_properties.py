@@ -6,9 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from loss_settings import grpo_loss_with
 
 from grpo_hf.algorithm.advantages import group_advantages, group_std_is_zero
-from grpo_hf.algorithm.loss import grpo_loss, kl_estimate
+from grpo_hf.algorithm.loss import kl_estimate
 from grpo_hf.algorithm.policy_terms import clipped_surrogate
 from grpo_hf.config.grpo_config import LOSS_TYPES
 
@@ -71,7 +72,7 @@ def loss_inputs(draw) -> dict:
 )
 def test_grpo_loss_is_finite(loss_type, inputs, level, estimator, beta, delta):
     logps = inputs.pop("logps").requires_grad_()
-    loss, metrics = grpo_loss(
+    loss, metrics = grpo_loss_with(
         logps,
         **inputs,
         loss_type=loss_type,

@@ -37,7 +37,7 @@ def test_greedy_decode_matches_model_generate(build):
 
 def test_rows_that_drew_eos_leave_the_decoder(monkeypatch):
     decoder = ScriptedDecoder([5, 2, 4, 2, 6])
-    monkeypatch.setattr(rollout, "decoder_for", lambda *args: decoder)
+    monkeypatch.setattr(local, "decoder_for", lambda *args: decoder)
     ids = torch.ones(5, 3, dtype=torch.long)
     config = GenerationConfig(do_sample=False, max_new_tokens=8, pad_token_id=0, eos_token_id=[2])
     result = local.generate(torch.nn.Linear(1, 1), ids, torch.ones_like(ids), config)

@@ -6,14 +6,9 @@ import math
 import pytest
 import torch
 
-from grpo_hf.algorithm.sampler_correction import (
-    SamplerCorrection,
-    check_sampler_settings,
-    sampler_correction,
-    sampler_is_weights,
-    sampler_metrics,
-)
+from grpo_hf.algorithm.sampler_correction import SamplerCorrection, sampler_is_weights, sampler_metrics
 from grpo_hf.config.grpo_config import GRPOConfig
+from grpo_hf.config.loss_args import check_sampler_settings, sampler_correction
 
 # Row 0: pi_old (0.5, 0.2, 0.3) against the sampler's (0.25, 0.4, 0.1): ratios 2, 0.5, 3, product 3.
 # Row 1: (0.5, 0.4, pad) against (0.4, 0.5, pad): ratios 1.25, 0.8, product 1; its padding's

@@ -5,12 +5,12 @@ import math
 
 import pytest
 import torch
+from loss_settings import grpo_loss_with
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, make_config
 from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
-from grpo_hf.algorithm.loss import grpo_loss
 from grpo_hf.data.rollout import Rollout, completion_mask_after_eos
 from grpo_hf.engine.logprobs import completion_logps
 
@@ -79,7 +79,7 @@ def test_dapo_normalises_each_optimizer_step_by_its_own_active_tokens(tmp_path):
         logps, _ = completion_logps(
             model, part["input_ids"], part["attention_mask"], part["completion_mask"].shape[1]
         )
-        loss, _ = grpo_loss(
+        loss, _ = grpo_loss_with(
             logps, old_logps, None, part["advantages"], part["completion_mask"], loss_type="dapo"
         )
         loss.backward()
@@ -275,7 +275,7 @@ def test_loss_settings_reach_the_loss(tmp_path, level):
 def pure_loss(logps, entropy, inputs, settings) -> float:
     """grpo_loss on a recorded micro-batch, with the trainer's other inputs: the entropy bonus is a
     token mean over the optimizer step, so it divides by the DAPO normaliser too."""
-    loss, _ = grpo_loss(
+    loss, _ = grpo_loss_with(
         logps, inputs["old_logps"], inputs.get("ref_logps"), inputs["advantages"], inputs["completion_mask"],
         max_completion_length=10, entropy=entropy, dapo_normalizer=inputs["dapo_normalizer"],
         entropy_normalizer=inputs["dapo_normalizer"], **settings,

@@ -4,13 +4,12 @@ and the adaptive entropy coefficient across a checkpoint resume."""
 
 import pytest
 import torch
+from loss_settings import grpo_loss_with
 from test_trainer import StopAfter
 from test_trainer_loss import RecordingLossTrainer, peaky_llama, token_count_reward
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, make_config
 
-from grpo_hf.algorithm.loss import grpo_loss
-from grpo_hf.algorithm.sampler_correction import sampler_correction
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.training.checkpoints import read_state
 
@@ -70,12 +69,12 @@ def test_off_policy_and_high_entropy_masks_reach_the_loss(tmp_path):
         kept = (entropy >= torch.quantile(entropy[mask.bool()], 0.5)) & mask.bool()  # (B, C)
         dropped += int((keep == 0).sum())
         assert 0 < kept.sum() < mask.sum()
-        want, _ = grpo_loss(
+        want, _ = grpo_loss_with(
             logps, old, None, advantages, mask, entropy=entropy, entropy_coef=0.01, max_completion_length=10,
             dapo_normalizer=inputs["dapo_normalizer"], off_policy_mask=keep, entropy_mask=kept,
         )  # fmt: skip
         assert recorded == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
-        unmasked, _ = grpo_loss(
+        unmasked, _ = grpo_loss_with(
             logps, old, None, advantages, mask, entropy=entropy, entropy_coef=0.01, max_completion_length=10,
             dapo_normalizer=inputs["dapo_normalizer"],
         )  # fmt: skip
@@ -99,7 +98,7 @@ def as_if_vllm_generated(trainer) -> None:
     from SamplerLogpsTrainer): after __post_init__ vLLM generates exactly when generation_backend is
     'vllm', and the trainer then applies TRL's importance-sampling correction."""
     trainer.args.generation_backend = "vllm"
-    trainer.sampler_correction = sampler_correction(trainer.args)
+    trainer.loss_settings = trainer.args.loss_settings()
 
 
 def test_vllm_sequence_mask_correction_reaches_the_loss_and_is_logged(tmp_path):
@@ -113,7 +112,7 @@ def test_vllm_sequence_mask_correction_reaches_the_loss_and_is_logged(tmp_path):
         log_ratio = ((logps - inputs["sampler_logps"]) * mask).sum(dim=1, keepdim=True)  # (B, 1)
         weights = torch.where(log_ratio.exp() > 3.0, 0.0, log_ratio.exp()).expand_as(mask)  # (B, C)
         assert weights[0::2].eq(0).all() and weights[1::2].gt(0).all()
-        want, _ = grpo_loss(
+        want, _ = grpo_loss_with(
             logps, None, None, inputs["advantages"], mask, entropy=entropy, max_completion_length=10,
             dapo_normalizer=inputs["dapo_normalizer"], sampler_weights=weights,
         )  # fmt: skip
@@ -131,7 +130,7 @@ def test_vllm_sequence_mask_correction_reaches_the_loss_and_is_logged(tmp_path):
 def test_our_decoder_ignores_the_vllm_settings(tmp_path):
     """Without vLLM, TRL's vllm_importance_sampling_* (on by default) do not apply: no weights."""
     trainer = recorded_run(tmp_path, SamplerLogpsTrainer, max_steps=1)
-    assert trainer.sampler_correction is None
+    assert trainer.loss_settings.sampler_correction is None
     assert not any(k.startswith("sampling/importance") for k in trainer.state.log_history[0])
 
 

@@ -45,16 +45,28 @@ loss value is -mean(A) + beta * KL (about 0 with normalised advantages) while th
 policy gradient A * grad log pi. A logged loss near 0 is therefore expected, not a bug.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from grpo_hf.algorithm.policy_terms import POLICY_TERMS, Metrics, PolicySettings, masked_mean
+from grpo_hf.algorithm.sampler_correction import SamplerCorrection
 
-# The `GRPOConfig` settings `grpo_loss` takes under the same names (the trainer passes them as set).
-LOSS_SETTINGS = (
-    "loss_type", "epsilon", "epsilon_high", "delta", "sapo_temperature_neg", "sapo_temperature_pos",
-    "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "kl_estimator",
-    "use_bias_correction_kl", "importance_sampling_level", "max_completion_length",
-)  # fmt: skip
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What the loss takes of a run's settings, under `GRPOConfig`'s names; `GRPOConfig.loss_settings()`
+    builds it once (the defaults are the config's, declared there only)."""
+
+    loss_type: str
+    policy: PolicySettings  # the policy term's knobs
+    kl_estimator: str
+    use_bias_correction_kl: bool
+    importance_sampling_level: str
+    max_completion_length: int | None  # dr_grpo's constant; None: the tensors' width
+    off_policy_mask_threshold: float | None  # `masks.get_off_policy_mask`; None: off
+    top_entropy_quantile: float  # `masks.get_high_entropy_mask`; 1.0: off
+    sampler_correction: SamplerCorrection | None  # importance sampling against the sampler; None: off
 
 
 def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -124,22 +136,9 @@ def grpo_loss(
     ref_logps: torch.Tensor | None,
     advantages: torch.Tensor,
     completion_mask: torch.Tensor,
+    settings: LossSettings,
     *,
-    loss_type: str = "dapo",
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    sapo_temperature_neg: float = 1.05,
-    sapo_temperature_pos: float = 1.0,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
     beta: float = 0.0,
-    kl_estimator: str = "k3",
-    use_bias_correction_kl: bool = True,
-    importance_sampling_level: str = "token",
-    max_completion_length: int | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     dapo_normalizer: float | torch.Tensor | None = None,
@@ -152,7 +151,8 @@ def grpo_loss(
 
     logps, old_logps, ref_logps, entropy, completion_mask: (B, T) over completion tokens;
     advantages: (B,). `old_logps=None` means "same policy": logps detached. `ref_logps` may be
-    None only when beta = 0. The settings are `GRPOConfig`'s of the same names. Without gradient:
+    None only when beta = 0 (no KL term; `beta` and `entropy_coef`, 0 for off, are the current
+    values of settings that may adapt during training). Without gradient:
     `sampler_weights` (B, T), the importance weights pi_old / pi_sampler
     (`sampler_correction.sampler_is_weights`); `off_policy_mask` (B, 1) (`masks.get_off_policy_mask`);
     `entropy_mask` (B, T) (`masks.get_high_entropy_mask`), which also restricts the entropy bonus.
@@ -161,19 +161,16 @@ def grpo_loss(
     Metrics are means over the active tokens, except `policy_loss` (the loss before the entropy
     bonus) and the extremes `clip_ratio/low_min` and `clip_ratio/high_max`.
     """
+    loss_type = settings.loss_type
     if loss_type not in POLICY_TERMS:
         raise ValueError(f"loss_type={loss_type!r} is not one of {tuple(POLICY_TERMS)}.")
     term = POLICY_TERMS[loss_type]
-    settings = PolicySettings(
-        epsilon, epsilon if epsilon_high is None else epsilon_high, delta, sapo_temperature_neg,
-        sapo_temperature_pos, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
-    )  # fmt: skip
-    max_completion_length = logps.shape[1] if max_completion_length is None else max_completion_length
+    width = logps.shape[1] if settings.max_completion_length is None else settings.max_completion_length
     mask = completion_mask.to(logps.dtype)  # (B, T)
     old_logps = logps.detach() if old_logps is None else old_logps
-    log_ratio = importance_log_ratio(logps, old_logps, mask, importance_sampling_level)  # (B, T)
+    log_ratio = importance_log_ratio(logps, old_logps, mask, settings.importance_sampling_level)  # (B, T)
     per_token, metrics = term.per_token(
-        logps, old_logps, log_ratio, advantages.unsqueeze(1), mask, settings, sampler_weights
+        logps, old_logps, log_ratio, advantages.unsqueeze(1), mask, settings.policy, sampler_weights
     )  # (B, T)
     for factor in (off_policy_mask, entropy_mask, None if term.takes_sampler_weights else sampler_weights):
         if factor is not None:
@@ -181,12 +178,12 @@ def grpo_loss(
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps.")
-        kl = kl_estimate(logps, ref_logps, kl_estimator)  # (B, T)
-        if use_bias_correction_kl:
+        kl = kl_estimate(logps, ref_logps, settings.kl_estimator)  # (B, T)
+        if settings.use_bias_correction_kl:
             kl = kl * torch.exp(log_ratio)  # samples from pi_old: importance-weighted, with gradient
         per_token = per_token + beta * kl
         metrics["kl"] = masked_mean(kl.detach(), mask)
-    loss = aggregate(per_token, mask, loss_type, max_completion_length, dapo_normalizer)
+    loss = aggregate(per_token, mask, loss_type, width, dapo_normalizer)
     metrics["policy_loss"] = loss.detach()
     if entropy is not None:
         metrics["entropy"] = masked_mean(entropy.detach(), mask)

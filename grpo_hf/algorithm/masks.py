@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from grpo_hf.algorithm.sampler_correction import SamplerCorrection, sampler_is_weights
+from grpo_hf.algorithm.loss import LossSettings
+from grpo_hf.algorithm.sampler_correction import sampler_is_weights
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
@@ -74,16 +75,15 @@ def gather_ragged(accelerator, values: torch.Tensor) -> torch.Tensor:
 
 
 def policy_weights(
-    args,
-    correction: SamplerCorrection | None,
+    settings: LossSettings,
     logps: torch.Tensor,
     entropy: torch.Tensor,
     old_logps: torch.Tensor,
     inputs: dict[str, torch.Tensor],
     gather: Gather | None = None,
 ) -> dict[str, torch.Tensor | None]:
-    """`grpo_loss`'s off_policy_mask, entropy_mask and sampler_weights for one micro-batch, as
-    `args` (a `GRPOConfig`) sets them, each None when off; and its entropy_normalizer.
+    """`grpo_loss`'s off_policy_mask, entropy_mask and sampler_weights for one micro-batch, as the
+    run's `settings` ask, each None when off; and its entropy_normalizer.
 
     The sampler weights need the rollout's `sampler_logps` (absent for completions a subclass
     makes without them). The entropy bonus divides by the DAPO normaliser, so it is the token mean
@@ -97,19 +97,21 @@ def policy_weights(
         "sampler_weights": None,
         "entropy_normalizer": inputs.get("dapo_normalizer"),
     }
-    if args.off_policy_mask_threshold is not None:
+    if settings.off_policy_mask_threshold is not None:
         weights["off_policy_mask"] = get_off_policy_mask(
             inputs["advantages"],
             logps,
             old_logps if sampler_logps is None else sampler_logps,
             mask,
-            args.off_policy_mask_threshold,
+            settings.off_policy_mask_threshold,
         )
-    if args.top_entropy_quantile < 1.0:
-        kept = get_high_entropy_mask(entropy, mask, 1.0 - args.top_entropy_quantile, gather)  # (B, T)
+    if settings.top_entropy_quantile < 1.0:
+        kept = get_high_entropy_mask(entropy, mask, 1.0 - settings.top_entropy_quantile, gather)  # (B, T)
         counts = kept.sum().reshape(1).float()  # (1,)
         counts = counts if gather is None else gather(counts)  # (P,) every process's
         weights["entropy_mask"], weights["entropy_normalizer"] = kept, counts.sum() / counts.numel()
-    if correction is not None and sampler_logps is not None:
-        weights["sampler_weights"] = sampler_is_weights(old_logps, sampler_logps, mask, correction)
+    if settings.sampler_correction is not None and sampler_logps is not None:
+        weights["sampler_weights"] = sampler_is_weights(
+            old_logps, sampler_logps, mask, settings.sampler_correction
+        )
     return weights

@@ -33,17 +33,17 @@ LOG_1E8 = math.log(1e-8)  # VESPO's floor on log w (and on a sampler weight's lo
 
 @dataclass(frozen=True)
 class PolicySettings:
-    """The knobs of the policy terms; names and defaults as in `GRPOConfig` (epsilon_high resolved)."""
+    """The knobs of the policy terms, under `GRPOConfig`'s names (its defaults; epsilon_high resolved)."""
 
-    epsilon: float = 0.2
-    epsilon_high: float = 0.2
-    delta: float | None = None
-    sapo_temperature_neg: float = 1.05
-    sapo_temperature_pos: float = 1.0
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
+    epsilon: float
+    epsilon_high: float
+    delta: float | None
+    sapo_temperature_neg: float
+    sapo_temperature_pos: float
+    vespo_k_pos: float
+    vespo_lambda_pos: float
+    vespo_k_neg: float
+    vespo_lambda_neg: float
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -210,33 +210,3 @@ POLICY_TERMS: dict[str, PolicyTerm] = {
 }
 # The loss types whose policy term is the clipped surrogate: the ones epsilon (below) and delta act on.
 CLIPPED_LOSS_TYPES = tuple(name for name, term in POLICY_TERMS.items() if term.per_token is clip_term)
-
-
-def loss_type_warnings(args) -> list[str]:
-    """Warnings for a `GRPOConfig`'s loss settings that do not fit together: TRL's three, and ours
-    for a CISPO cap below 1 and a `delta` that has no effect."""
-    level, loss_type = args.importance_sampling_level, args.loss_type
-    found = []
-    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
-        found.append(
-            f"With importance_sampling_level='sequence', the '{loss_type}' loss sums per-token contributions, "
-            "which weights each sequence by its completion length instead of optimizing the per-sequence "
-            "objective. To reproduce the GSPO paper's setup, set loss_type='grpo'."
-        )
-    if loss_type == "luspo" and level != "sequence":
-        found.append(
-            "loss_type='luspo' is meant for importance_sampling_level='sequence' (the LUSPO paper's)."
-        )
-    if loss_type == "vespo" and level != "token":
-        found.append(
-            "loss_type='vespo' takes the sequence's importance weight itself; importance_sampling_level "
-            "should be 'token' (the default)."
-        )
-    if loss_type == "cispo" and args.epsilon_high < 1:
-        found.append(
-            f"loss_type='cispo' caps the importance ratio at epsilon_high itself, not 1 + epsilon_high: "
-            f"{args.epsilon_high} < 1 scales every on-policy token's gradient down to it. ScaleRL uses 4 to 5."
-        )
-    if args.delta is not None and loss_type not in CLIPPED_LOSS_TYPES:
-        found.append(f"delta has no effect with loss_type={loss_type!r} (only with {CLIPPED_LOSS_TYPES}).")
-    return found

@@ -37,59 +37,6 @@ class SamplerCorrection:
     clip_max: float | None = 3.0
 
 
-def vllm_generates(args) -> bool:
-    """Whether vLLM makes the completions (after `GRPOConfig.__post_init__`)."""
-    return args.generation_backend == "vllm"
-
-
-def check_sampler_settings(args) -> None:
-    """Errors for a `GRPOConfig`'s importance-sampling settings that contradict each other (TRL's
-    checks, and ours for sampler_is_cap with vLLM)."""
-    clip_min, clip_max = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
-    mode = args.vllm_importance_sampling_mode
-    if clip_min is not None and clip_max is not None and clip_min >= clip_max:
-        raise ValueError(
-            f"vllm_importance_sampling_clip_min ({clip_min}) must be less than "
-            f"vllm_importance_sampling_clip_max ({clip_max})."
-        )
-    if (
-        args.vllm_importance_sampling_correction
-        and mode.endswith("truncate")
-        and clip_min is None
-        and clip_max is None
-    ):
-        raise ValueError(
-            "Set vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max (or both) for "
-            f"vllm_importance_sampling_mode={mode!r}."
-        )
-    if vllm_generates(args) and args.sampler_is_cap is not None:
-        raise ValueError(
-            "sampler_is_cap corrects our own decoder; with vLLM set vllm_importance_sampling_mode and "
-            "vllm_importance_sampling_clip_max instead, and sampler_is_cap=None."
-        )
-    correcting = vllm_generates(args) and args.vllm_importance_sampling_correction
-    if args.loss_type == "vespo" and correcting and not mode.startswith("token"):
-        raise ValueError(
-            "loss_type='vespo' needs token-level importance weights: set vllm_importance_sampling_mode to "
-            f"'token_truncate' or 'token_mask' (got {mode!r})."
-        )
-
-
-def sampler_correction(args) -> SamplerCorrection | None:
-    """The correction `GRPOConfig` asks for the backend that generates, or None."""
-    if vllm_generates(args):
-        if not args.vllm_importance_sampling_correction:
-            return None
-        return SamplerCorrection(
-            args.vllm_importance_sampling_mode,
-            args.vllm_importance_sampling_clip_min,
-            args.vllm_importance_sampling_clip_max,
-        )
-    if args.sampler_is_cap is None:
-        return None
-    return SamplerCorrection("token_truncate", None, args.sampler_is_cap)
-
-
 def sampler_is_weights(
     old_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, correction: SamplerCorrection
 ) -> torch.Tensor:

@@ -14,11 +14,16 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
-from grpo_hf.algorithm.policy_terms import loss_type_warnings
-from grpo_hf.algorithm.sampler_correction import check_sampler_settings
 from grpo_hf.config.checks import check_choices, check_dicts, check_ranges
 from grpo_hf.config.generation_args import GenerationBackendArguments
-from grpo_hf.config.loss_args import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES, LossArguments
+from grpo_hf.config.loss_args import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    LossArguments,
+    check_sampler_settings,
+    loss_type_warnings,
+)
 from grpo_hf.config.rollout_args import REWARD_ERROR_POLICIES, SCALE_REWARDS, RolloutArguments
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.decoding import DECODERS

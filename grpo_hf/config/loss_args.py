@@ -5,14 +5,16 @@ reference. Names and meanings are TRL 1.16's where TRL has the setting (`policy_
 
 `GRPOConfig` inherits these fields and calls `_resolve_loss_settings` and `_check_loss_settings` in
 its `__post_init__`; the checks that also read the generation backend (`check_loss_combinations`)
-are `GRPOConfig`'s own.
+are `GRPOConfig`'s own, with `check_sampler_settings` and `loss_type_warnings` below.
+`loss_settings()` hands the loss what it takes, typed (`algorithm.loss.LossSettings`).
 """
 
 import warnings
 from dataclasses import dataclass, field
 
-from grpo_hf.algorithm.policy_terms import CLIPPED_LOSS_TYPES, POLICY_TERMS
-from grpo_hf.algorithm.sampler_correction import IS_MODES
+from grpo_hf.algorithm.loss import LossSettings
+from grpo_hf.algorithm.policy_terms import CLIPPED_LOSS_TYPES, POLICY_TERMS, PolicySettings
+from grpo_hf.algorithm.sampler_correction import IS_MODES, SamplerCorrection
 from grpo_hf.config.checks import check_choices, check_ranges
 
 LOSS_TYPES = tuple(POLICY_TERMS)
@@ -191,6 +193,24 @@ class LossArguments:
         default=512, metadata={"help": "Optimizer steps between reference updates."}
     )
 
+    def loss_settings(self) -> LossSettings:
+        """The loss's settings, typed, as `grpo_loss` and `masks.policy_weights` take them."""
+        policy = PolicySettings(
+            self.epsilon, self.epsilon_high, self.delta, self.sapo_temperature_neg, self.sapo_temperature_pos,
+            self.vespo_k_pos, self.vespo_lambda_pos, self.vespo_k_neg, self.vespo_lambda_neg,
+        )  # fmt: skip
+        return LossSettings(
+            loss_type=self.loss_type,
+            policy=policy,
+            kl_estimator=self.kl_estimator,
+            use_bias_correction_kl=self.use_bias_correction_kl,
+            importance_sampling_level=self.importance_sampling_level,
+            max_completion_length=self.max_completion_length,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            top_entropy_quantile=self.top_entropy_quantile,
+            sampler_correction=sampler_correction(self),
+        )
+
     def _resolve_loss_settings(self) -> None:
         """epsilon_high defaults to epsilon; the deprecated vllm_importance_sampling_cap sets clip_max."""
         self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
@@ -265,3 +285,86 @@ class LossArguments:
             (not (self.sync_ref_model and self.beta == 0), "sync_ref_model needs beta > 0 (a reference)"),
         ]
         check_ranges(checks)
+
+
+def loss_type_warnings(args) -> list[str]:
+    """Warnings for a `GRPOConfig`'s loss settings that do not fit together: TRL's three, and ours
+    for a CISPO cap below 1 and a `delta` that has no effect."""
+    level, loss_type = args.importance_sampling_level, args.loss_type
+    found = []
+    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        found.append(
+            f"With importance_sampling_level='sequence', the '{loss_type}' loss sums per-token contributions, "
+            "which weights each sequence by its completion length instead of optimizing the per-sequence "
+            "objective. To reproduce the GSPO paper's setup, set loss_type='grpo'."
+        )
+    if loss_type == "luspo" and level != "sequence":
+        found.append(
+            "loss_type='luspo' is meant for importance_sampling_level='sequence' (the LUSPO paper's)."
+        )
+    if loss_type == "vespo" and level != "token":
+        found.append(
+            "loss_type='vespo' takes the sequence's importance weight itself; importance_sampling_level "
+            "should be 'token' (the default)."
+        )
+    if loss_type == "cispo" and args.epsilon_high < 1:
+        found.append(
+            f"loss_type='cispo' caps the importance ratio at epsilon_high itself, not 1 + epsilon_high: "
+            f"{args.epsilon_high} < 1 scales every on-policy token's gradient down to it. ScaleRL uses 4 to 5."
+        )
+    if args.delta is not None and loss_type not in CLIPPED_LOSS_TYPES:
+        found.append(f"delta has no effect with loss_type={loss_type!r} (only with {CLIPPED_LOSS_TYPES}).")
+    return found
+
+
+def vllm_generates(args) -> bool:
+    """Whether vLLM makes the completions (after `GRPOConfig.__post_init__`)."""
+    return args.generation_backend == "vllm"
+
+
+def check_sampler_settings(args) -> None:
+    """Errors for a `GRPOConfig`'s importance-sampling settings that contradict each other (TRL's
+    checks, and ours for sampler_is_cap with vLLM)."""
+    clip_min, clip_max = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    mode = args.vllm_importance_sampling_mode
+    if clip_min is not None and clip_max is not None and clip_min >= clip_max:
+        raise ValueError(
+            f"vllm_importance_sampling_clip_min ({clip_min}) must be less than "
+            f"vllm_importance_sampling_clip_max ({clip_max})."
+        )
+    if (
+        args.vllm_importance_sampling_correction
+        and mode.endswith("truncate")
+        and clip_min is None
+        and clip_max is None
+    ):
+        raise ValueError(
+            "Set vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max (or both) for "
+            f"vllm_importance_sampling_mode={mode!r}."
+        )
+    if vllm_generates(args) and args.sampler_is_cap is not None:
+        raise ValueError(
+            "sampler_is_cap corrects our own decoder; with vLLM set vllm_importance_sampling_mode and "
+            "vllm_importance_sampling_clip_max instead, and sampler_is_cap=None."
+        )
+    correcting = vllm_generates(args) and args.vllm_importance_sampling_correction
+    if args.loss_type == "vespo" and correcting and not mode.startswith("token"):
+        raise ValueError(
+            "loss_type='vespo' needs token-level importance weights: set vllm_importance_sampling_mode to "
+            f"'token_truncate' or 'token_mask' (got {mode!r})."
+        )
+
+
+def sampler_correction(args) -> SamplerCorrection | None:
+    """The correction `GRPOConfig` asks for the backend that generates, or None."""
+    if vllm_generates(args):
+        if not args.vllm_importance_sampling_correction:
+            return None
+        return SamplerCorrection(
+            args.vllm_importance_sampling_mode,
+            args.vllm_importance_sampling_clip_min,
+            args.vllm_importance_sampling_clip_max,
+        )
+    if args.sampler_is_cap is None:
+        return None
+    return SamplerCorrection("token_truncate", None, args.sampler_is_cap)

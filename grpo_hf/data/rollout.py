@@ -180,14 +180,18 @@ def sample_completions(
     prompts: list,
     tokenizer: PreTrainedTokenizerBase,
     generate: Callable[[torch.Tensor, torch.Tensor], Rollout],
-    args,
     device: torch.device,
+    max_prompt_length: int | None = None,
+    chat_template_kwargs: dict | None = None,
+    pad_to_multiple_of: int | None = None,
 ) -> tuple[Rollout, list]:
     """One completion per prompt (text or chat) from `generate(prompt_ids, prompt_mask)`: the prompts
-    rendered, tokenized and left-padded as a `GRPOConfig` says, the completions decoded."""
-    rendered = [render_prompt(tokenizer, p, args.chat_template_kwargs) for p in prompts]
+    rendered (`chat_template_kwargs`), tokenized and left-padded (`max_prompt_length`,
+    `pad_to_multiple_of`: `tokenize_prompts`), the completions decoded. Training and evaluation
+    sample through it."""
+    rendered = [render_prompt(tokenizer, p, chat_template_kwargs) for p in prompts]
     prompt_ids, prompt_mask = tokenize_prompts(
-        tokenizer, rendered, args.max_prompt_length, device, args.pad_to_multiple_of
+        tokenizer, rendered, max_prompt_length, device, pad_to_multiple_of
     )
     result = generate(prompt_ids, prompt_mask)
     return result, decode_completions(tokenizer, result, chat=not isinstance(prompts[0], str))
