@@ -1,23 +1,21 @@
-"""`GRPOTrainer`: GRPO (DeepSeekMath, arXiv 2402.03300) as a `transformers.Trainer`.
+"""`GRPOTrainer`: GRPO (DeepSeekMath, arXiv 2402.03300) as a `transformers.Trainer`; this file only
+orchestrates. One generation round, and where each step lives:
 
-How one generation round flows through the Trainer's loop:
-- The train dataloader yields, per micro-step, this process's share of a whole generation batch
-  (every prompt repeated G times; `GroupSampler`, or for a streamed dataset `streaming.GroupStream`),
-  the same batch `steps_per_generation x num_iterations` times in a row.
-- `_prepare_inputs` generates and scores on the first of those micro-steps, gathers rewards from
-  every process to compute group advantages, computes old / reference log-probs once, and splits
-  the result into `steps_per_generation` micro-batches that the following micro-steps consume.
-- With `dynamic_sampling` (DAPO), groups whose rewards are all equal are replaced by groups from
-  extra generation rounds before the advantages are computed (`dynamic_sampling`).
-- With `environment_factory` each row's episode gets an environment from a pool (`environments`):
-  reset with the row, it may supply the prompt and the reward. With tools (`tools=` or environment
-  methods) a rollout is a multi-turn episode (`multi_turn`): the model's turns and the tool results
-  between them, the results masked out of the loss.
-- `compute_loss` is per-token log-probs of the completion tokens plus the pure `grpo_loss`.
-- A checkpoint adds the GRPO state (beta, the entropy coefficient, the extra prompt stream's
-  position) and, saved inside a round, the round's remaining micro-batches (`checkpoints`).
-The maths lives in `advantages`, `loss` and `logprobs`, the rest in the modules named above; this
-file only orchestrates.
+- rows: per micro-step the dataloader yields this process's share of a generation batch, each
+  prompt G times (`data.batches.GroupSampler`; a stream: `data.streaming`), the same batch
+  `steps_per_generation x num_iterations` times in a row;
+- completions (`_prepare_inputs`, on the first of those micro-steps): one sampling call
+  (`data.rollout.sample_completions` through the generator `engine.backends.build_generator`
+  chose), multi-turn tool episodes (`episodes.multi_turn`, `episodes.tools`; environments:
+  `episodes.environments`) or the user's `episodes.rollout_func`;
+- rewards: `rewards.scoring`; DAPO's dynamic sampling refills the batch with teaching groups
+  (`episodes.dynamic_sampling`); group advantages over every process (`algorithm.advantages`);
+- the round's loss tensors and micro-batches (`data.batches`), old / reference log-probs once
+  (`engine.logprobs`, `models.reference`);
+- `compute_loss`: log-probs of the completion tokens, then the pure `algorithm.loss.grpo_loss` with
+  the masks and sampler weights of `algorithm.masks`;
+- around it (`training/`): metrics, completion logs, the adaptive entropy coefficient, checkpoints
+  with the GRPO state and, saved inside a round, its remaining micro-batches.
 """
 
 import functools
