@@ -155,6 +155,15 @@ class RolloutArguments:
             "call counts as failed."
         },
     )
+    environment_timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "Seconds an environment's reset(**row) or get_reward() may take (environment_factory=; TRL "
+            "has no limit). Past it the call is abandoned and a TimeoutError names the method: a reset stops "
+            "the run, a get_reward fails as a reward function does (reward_error_policy). Raise it for "
+            "environments that start a sandbox or container in reset."
+        },
+    )
 
     def _resolve_rollout_settings(self) -> None:
         """TRL's booleans for scale_rewards, num_generations_eval's default, pad_to_multiple_of and
@@ -229,6 +238,7 @@ class RolloutArguments:
                 "max_tool_calling_iterations must be >= 0 (or None: no limit)",
             ),
             (self.tool_timeout > 0, "tool_timeout must be > 0 seconds"),
+            (self.environment_timeout > 0, "environment_timeout must be > 0 seconds"),
         ]
         check_ranges(checks)
 
