@@ -87,7 +87,11 @@ class RolloutArguments:
     )
     mask_truncated_completions: bool = field(
         default=False,
-        metadata={"help": "Exclude completions that hit max_completion_length from the loss (DAPO)."},
+        metadata={
+            "help": "Exclude truncated completions from the loss (DAPO's overlong filtering): as in TRL, those "
+            "that end without EOS, i.e. hit max_completion_length or, with vLLM, stopped at a `stop` string "
+            "of generation_kwargs."
+        },
     )
 
     # ---- Rewards and advantages ----------------------------------------------------------------
