@@ -58,8 +58,8 @@ from grpo_hf.episodes.dynamic_sampling import ExtraRounds, gather_round, sample_
 from grpo_hf.episodes.environments import (
     EMPTY_PROMPT,
     EnvironmentFactory,
-    EnvironmentPool,
     check_reward_source,
+    environment_pool,
     train_dataset_or_placeholder,
 )
 from grpo_hf.episodes.multi_turn import episode_counts, tool_episodes, tool_metrics
@@ -117,9 +117,7 @@ class GRPOTrainer(Trainer):
         args = GRPOConfig(output_dir=default_output_dir(model)) if args is None else args
         # First, so that a Hub repo for the completions that cannot be made fails before any model work.
         self.completion_log = CompletionLog(args, args.process_index == 0)
-        pool = self.environment_pool = (
-            EnvironmentPool(environment_factory) if environment_factory is not None else None
-        )
+        pool = self.environment_pool = environment_pool(environment_factory, args)
         if eval_dataset is not None:
             args.check_eval_batch()
         train_dataset = train_dataset_or_placeholder(train_dataset, pool, args)

@@ -4,6 +4,7 @@ row's prompt with only its environment's tools, the instance pool, environments 
 
 import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -304,6 +305,79 @@ def test_an_environment_whose_call_timed_out_is_not_reused(tmp_path):
     assert trainer.environments[:3] == first[1:] and all(trainer.environments[3] is not e for e in first)
 
 
+class StuckEnv:
+    """Instance 0 of a run blocks in `stuck` (reset or get_reward) until `release` is set (at most
+    10 s: without a time limit the call would return then, and no error come)."""
+
+    release = threading.Event()
+    stuck = "reset"
+    made = 0
+
+    def __init__(self):
+        self.index, StuckEnv.made = StuckEnv.made, StuckEnv.made + 1
+
+    def _maybe_block(self, method: str) -> None:
+        if self.index == 0 and method == self.stuck:
+            StuckEnv.release.wait(10)
+
+    def reset(self, **kwargs) -> None:
+        self._maybe_block("reset")
+
+    def get_reward(self) -> float:
+        self._maybe_block("get_reward")
+        return 1.0
+
+
+class AsyncStuckEnv(StuckEnv):
+    async def get_reward(self) -> float:
+        self._maybe_block("get_reward")
+        return 1.0
+
+
+@pytest.fixture
+def stuck_env():
+    StuckEnv.made, StuckEnv.release = 0, threading.Event()
+    yield StuckEnv
+    StuckEnv.release.set()  # let the abandoned calls end
+
+
+def test_a_reset_that_hangs_fails_after_environment_timeout(stuck_env):
+    pool = EnvironmentPool(stuck_env, 0.2)
+    with pytest.raises(
+        TimeoutError, match=r"StuckEnv.reset\(\) did not return within 0.2 s \(environment_timeout=0.2\)"
+    ):
+        pool.start_episodes([{"prompt": [{"role": "user", "content": "x"}]}])
+
+
+@pytest.mark.parametrize("env", [StuckEnv, AsyncStuckEnv], ids=["sync", "async"])
+def test_a_get_reward_that_hangs_fails_after_environment_timeout(tmp_path, stuck_env, env, monkeypatch):
+    monkeypatch.setattr(StuckEnv, "stuck", "get_reward")
+    trainer = trainer_for(tmp_path, args=dict(environment_timeout=0.2), environment_factory=env)
+    trainer.script = lambda context, i: "ok"
+    pattern = rf"{env.__name__}.get_reward\(\) did not return within 0.2 s \(environment_timeout=0.2\)"
+    with pytest.raises(RuntimeError, match=pattern):  # a failing reward function (reward_error_policy)
+        trainer._sample_and_score([chat_dataset(2)[0]] * 4)
+
+
+def test_an_environment_whose_get_reward_timed_out_is_not_reused(tmp_path, stuck_env, monkeypatch):
+    monkeypatch.setattr(StuckEnv, "stuck", "get_reward")
+    args = dict(environment_timeout=0.2, reward_error_policy="zero")
+    trainer = trainer_for(tmp_path, args=args, environment_factory=StuckEnv)
+    trainer.script = lambda context, i: "ok"
+    rows = [chat_dataset(2)[0]] * 4
+    scored = trainer._sample_and_score(rows)
+    assert scored.rewards_per_func[:, 0].tolist() == [0.0, 1.0, 1.0, 1.0] and scored.errors == 1
+    first = trainer.environments
+    trainer._sample_and_score(rows)
+    assert [e.index for e in first] == [0, 1, 2, 3]
+    assert [e.index for e in trainer.environments] == [1, 2, 3, 4]  # 0 left the pool, a new one came
+
+
+def test_environment_timeout_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="environment_timeout must be > 0 seconds"):
+        make_config(tmp_path, environment_timeout=0)
+
+
 # ---- Errors, at construction --------------------------------------------------------------------
 
 
@@ -343,7 +417,7 @@ def test_errors_name_what_to_change(tmp_path):
 
 
 def test_pool_errors_and_reset_text():
-    pool = EnvironmentPool({"counter": CounterEnv})
+    pool = EnvironmentPool({"counter": CounterEnv}, 5.0)
     with pytest.raises(ValueError, match="`environment='game'`, which is not among the environments"):
         pool.start_episodes([{"environment": "game"}])
 
@@ -352,15 +426,15 @@ def test_pool_errors_and_reset_text():
             return 3
 
     with pytest.raises(TypeError, match="Odd.reset returned int; return None or a str"):
-        EnvironmentPool(Odd).start_episodes([{"prompt": [{"role": "user", "content": "x"}]}])
+        EnvironmentPool(Odd, 5.0).start_episodes([{"prompt": [{"role": "user", "content": "x"}]}])
     with pytest.raises(ValueError, match="empty dict"):
-        EnvironmentPool({})
+        EnvironmentPool({}, 5.0)
     check_reward_source([length_reward])
 
 
 def test_no_dataset_placeholder_is_one_generation_batch_of_empty_prompts(tmp_path):
     args = make_config(tmp_path, per_device_train_batch_size=12, num_generations=4)
-    placeholder = train_dataset_or_placeholder(None, EnvironmentPool(GuessEnv), args)
+    placeholder = train_dataset_or_placeholder(None, EnvironmentPool(GuessEnv, 5.0), args)
     assert placeholder["prompt"] == [EMPTY_PROMPT] * 3
     dataset = chat_dataset(2)
     assert train_dataset_or_placeholder(dataset, None, args) is dataset

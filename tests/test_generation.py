@@ -2,7 +2,7 @@
 per policy version, transformers' generate and continuous batching, and `rollout_func`."""
 
 import importlib.util
-import warnings
+import logging
 
 import pytest
 import torch
@@ -232,11 +232,13 @@ def test_rollout_func_output_becomes_the_rollout_and_reward_columns(tmp_path):
 
 
 def test_rollout_func_output_is_checked():
+    cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="one log-prob per completion token"):
-        rollout_from_lists([[1]], [[2, 3]], [[-0.1]], None, [0], 0, torch.device("cpu"))
+        rollout_from_lists([[1]], [[2, 3]], [[-0.1]], None, [0], 0, cpu)
     from grpo_hf.episodes.rollout_func import call_rollout_func
 
     tokenizer = tiny_tokenizer()
+    eos = tokenizer.eos_token_id
     with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\]"):
         call_rollout_func(
             lambda p, t: {"prompt_ids": [[1]], "completion_ids": [[2]]}, ["x"], None, tokenizer, [0], "cpu"
@@ -244,10 +246,37 @@ def test_rollout_func_output_is_checked():
     with pytest.raises(ValueError, match="1 'completion_ids' for 2 prompts"):
         out = {"prompt_ids": [[1], [1]], "completion_ids": [[2]], "logprobs": None}
         call_rollout_func(lambda p, t: out, ["x", "x"], None, tokenizer, [0], "cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        result = rollout_from_lists([[1]], [[2, 3]], None, None, [3], 0, torch.device("cpu"))
+    # An env_mask row longer than its completion (was a shape error in the loss code) or shorter
+    # (was a mask that left environment tokens in the loss).
+    with pytest.raises(ValueError, match="rollout_func: row 0 has 3 completion_ids but 4 env_mask"):
+        rollout_from_lists([[1]] * 2, [[5, 6, eos], [7, eos]], None, [[1, 1, 0, 0], [1, 1]], [eos], 0, cpu)
+    with pytest.raises(ValueError, match="rollout_func: row 0 has 5 completion_ids but 3 env_mask"):
+        rollout_from_lists(
+            [[1]] * 2, [[5, 6, 7, 8, eos]] * 2, None, [[1, 1, 0], [1, 1, 0, 0, 1]], [eos], 0, cpu
+        )
+    with pytest.raises(ValueError, match="env_mask values must be 1 .* or 0"):
+        rollout_from_lists([[1]], [[5, eos]], None, [[1, 2]], [eos], 0, cpu)
+    # A list column of another length than the rows (was handed whole to every row).
+    out = {"prompt_ids": [[1]] * 4, "completion_ids": [[5, eos]] * 4, "logprobs": None, "answer": ["a", "b"]}
+    with pytest.raises(ValueError, match="rollout_func returned a list of 2 for 'answer' with 4 prompts"):
+        call_rollout_func(lambda p, t: out, ["x"] * 4, None, tokenizer, [eos], "cpu")
+    out = {**out, "answer": ["a", "b", "c", "d"], "shared": ("a", "b")}  # a list per row, a tuple for all
+    _, _, columns = call_rollout_func(lambda p, t: out, ["x"] * 4, None, tokenizer, [eos], "cpu")
+    assert columns == {"answer": ["a", "b", "c", "d"], "shared": [("a", "b")] * 4}
+
+
+def test_rollout_func_logprobs_none_is_no_warning_but_none_values_are(caplog):
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.episodes.rollout_func"):
+        result = rollout_from_lists([[1]], [[2, 3]], None, None, [3], 0, cpu)  # none for the batch: as TRL
+    assert caplog.records == []
     assert result.sampler_logps is None and not result.truncated.item()
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.episodes.rollout_func"):
+        result = rollout_from_lists([[1]], [[2, 3]], [[-0.1, None]], None, [3], 0, cpu)
+    assert [r.getMessage() for r in caplog.records] == [
+        "rollout_func returned None log-probs: this batch has no sampler log-probs."
+    ]
+    assert result.sampler_logps is None
 
 
 def test_rollout_func_and_tools_are_exclusive(tmp_path):

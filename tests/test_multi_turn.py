@@ -1,6 +1,7 @@
 """Multi-turn episodes with tools, on scripted model turns: layout, masks, turn limits, budgets, the trainer."""
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import make_config
 
 from grpo_hf import GRPOTrainer
+from grpo_hf.data.batches import round_batch
 from grpo_hf.data.rollout import Rollout, completion_mask_after_eos
 from grpo_hf.episodes.multi_turn import run_episodes, tool_episodes
 from grpo_hf.episodes.tools import tool_registry
@@ -40,11 +42,12 @@ def ids_of(text: str) -> list[int]:
 class Script:
     """Model turns by row tag ("row0" in the prompt) and turn number (tool messages so far).
 
-    A turn text ending in "..." has no EOS (the model ran on); others end with EOS.
+    A turn text ending in "..." has no EOS (the model ran on); others end with EOS. The first
+    `scored_calls` generation calls record sampler log-probs (-0.5 each), later ones none (None: all).
     """
 
-    def __init__(self, turns: dict[str, list[str]]):
-        self.turns = turns
+    def __init__(self, turns: dict[str, list[str]], scored_calls: int | None = None):
+        self.turns, self.scored_calls = turns, scored_calls
         self.calls = []  # (rows, max_new_tokens) of each generation call
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> Rollout:
@@ -60,12 +63,19 @@ class Script:
         completion_ids = torch.tensor(rows)  # (B, C)
         completion_mask, truncated = completion_mask_after_eos(completion_ids, [EOS])
         logps = torch.full(completion_ids.shape, -0.5) * completion_mask  # (B, C)
+        if self.scored_calls is not None and len(self.calls) > self.scored_calls:
+            logps = None
         return Rollout(ids, mask, completion_ids, completion_mask, truncated, logps)
 
 
-def episodes(turns: dict[str, list[str]], max_completion_length: int = 256, max_iterations: int | None = 2):
+def episodes(
+    turns: dict[str, list[str]],
+    max_completion_length: int = 256,
+    max_iterations: int | None = 2,
+    scored_calls: int | None = None,
+):
     prompts = [[{"role": "user", "content": f"{tag}: 2 + 3?"}] for tag in turns]
-    script = Script(turns)
+    script = Script(turns, scored_calls)
     result, messages, eps = tool_episodes(
         prompts,
         [tool_registry([add])] * len(prompts),
@@ -165,7 +175,27 @@ def test_run_episodes_takes_the_prompt_tokens_as_given():
         ids, mask, generate_turn, TOKENIZER, [{}], max_iterations=None, max_completion_length=4, timeout=1.0
     )
     assert seen == [[5, 6]]
-    assert result.completion_ids.tolist() == [[EOS]] and result.sampler_logps.tolist() == [[0.0]]
+    assert result.completion_ids.tolist() == [[EOS]] and result.sampler_logps is None  # none recorded
+
+
+def test_episodes_without_sampler_logps_have_none_not_zeros():
+    # The generator recorded none: a 0 would read as probability 1 in the sampler metrics and weights.
+    def generate_turn(ids, mask, max_new_tokens):
+        completion = torch.tensor([[40, 41, EOS]])  # (1, 3)
+        return Rollout(ids, mask, completion, torch.ones_like(completion), torch.tensor([False]), None)
+
+    ids, mask = torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long)
+    result, _, _ = run_episodes(
+        ids, mask, generate_turn, TOKENIZER, [{}], max_iterations=None, max_completion_length=16, timeout=1.0
+    )
+    assert result.sampler_logps is None
+    assert "sampler_logps" not in round_batch(result, torch.zeros(1), False)
+    # Recorded on the first turn only: row1's episode has them, row0's second turn has none, so the
+    # round has none (no row keeps a 0 in place of a log-prob).
+    result, _, _, script = episodes({"row0": [CALL, "5"], "row1": ["7"]}, scored_calls=1)
+    assert len(script.calls) == 2 and result.sampler_logps is None
+    result, _, _, _ = episodes({"row0": [CALL, "5"], "row1": ["7"]}, scored_calls=2)  # both turns scored
+    assert result.sampler_logps[1, :2].tolist() == [-0.5, -0.5]
 
 
 # ---- Through the trainer ------------------------------------------------------------------------
@@ -240,11 +270,38 @@ def test_trainer_runs_episodes_hands_environments_to_rewards_and_masks_tool_toke
     assert logged["tools/calls_per_episode"] == 1.0 and logged["tools/failed_calls_per_episode"] == 0.0
     assert logged["tools/turns_per_episode"] == 2.0
     assert logged["tools/call_frequency"] == 1.0 and logged["tools/failure_frequency"] == 0.0
+    assert "sampler/ratio_mean" in logged  # the script records sampler log-probs
     # Lengths count the model's tokens only (as TRL): the call turn and "done", each with EOS; row1's
     # call says 10 where row0's says 0 (one byte more); 4 episodes of each.
     row0 = len(ids_of('<tool_call>{"name": "deposit", "arguments": {"amount": 0}}</tool_call>')) + 1 + 5
     assert logged["completions/mean_length"] == row0 + 0.5
     assert logged["completions/max_length"] == row0 + 1
+
+
+class UnscoredTrainer(ScriptedTrainer):
+    """ScriptedTrainer's turns without sampler log-probs (a generator that records none)."""
+
+    def generate_completions(self, prompt_ids, prompt_mask, max_new_tokens=None):
+        return replace(
+            super().generate_completions(prompt_ids, prompt_mask, max_new_tokens), sampler_logps=None
+        )
+
+
+def test_episodes_without_sampler_logps_log_no_sampler_metrics(tmp_path):
+    prompts = [[{"role": "user", "content": f"row{i}: deposit"}] for i in range(2)]
+    dataset = Dataset.from_dict({"prompt": prompts, "start": [100, 200]})
+    args = make_config(
+        tmp_path, max_steps=1, max_completion_length=128, logging_steps=1, beta=0.0, sampler_is_cap=2.0
+    )
+    trainer = UnscoredTrainer(
+        tiny_llama(), balance_reward, args, dataset, processing_class=TOKENIZER, environment_factory=Ledger
+    )
+    [batch] = trainer._generate_and_score([dataset[0]] * 4 + [dataset[1]] * 4)
+    assert "sampler_logps" not in batch  # no importance weights against a made-up sampler
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["tools/calls_per_episode"] == 1.0
+    assert not [k for k in logged if k.startswith(("sampler/", "sampling/"))]
 
 
 def test_trainer_with_tools_trains_on_a_real_decoder(tmp_path):

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_models import tiny_llama, tiny_tokenizer
+from tiny_models import always_calling_llama, tiny_llama, tiny_tokenizer
 from trainer_helpers import free_port
 from transformers import AutoModelForCausalLM
 
@@ -54,15 +54,28 @@ def test_recipe_trains_evaluates_plots_and_saves(tmp_path):
 
 @pytest.mark.slow
 def test_recipe_runs_the_tool_task_in_episodes(tmp_path):
+    """The calculator task end to end, on a tiny model scripted to call the tool each turn (the
+    default model, untrained, almost never calls it): every episode's call is answered, in the
+    evaluations before and after training and in the training round."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1234 * 56"}}</tool_call>'
+    model, tokenizer = always_calling_llama(call)
+    model.save_pretrained(tmp_path / "caller")
+    tokenizer.save_pretrained(tmp_path / "caller")
     done = run_recipe(
-        tmp_path, "--max_steps", "1", "--max_completion_length", "24", "--eval_max_new_tokens", "24",
+        tmp_path / "out", "--model_name_or_path", str(tmp_path / "caller"), "--max_steps", "1",
+        "--max_completion_length", "48", "--eval_max_new_tokens", "48",
         config="smollm2_lora_calculator.yaml",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["task"] == "calculator" and results["steps"] == 1
-    assert results["tool_calls_before"] >= 0.0 and results["tool_calls_after"] >= 0.0
-    assert "tool calls per episode: before" in done.stdout
+    # One call answered per episode: max_tool_calling_iterations=1 leaves the second turn's unanswered.
+    assert results["tool_calls_before"] == 1.0 and results["tool_calls_after"] == 1.0
+    assert "69104" in results["samples_before"][0][1]  # the calculator's result, in the episode
+    assert "tool calls per episode: before 1.00   after 1.00" in done.stdout
+    state = json.loads((tmp_path / "out" / "checkpoint-1" / "trainer_state.json").read_text())
+    logged = state["log_history"][0]
+    assert logged["tools/calls_per_episode"] == 1.0 and logged["tools/failure_frequency"] == 0.0
 
 
 @pytest.mark.slow

@@ -316,6 +316,6 @@ def test_a_hub_call_that_hangs_is_abandoned_after_the_timeout(tmp_path, monkeypa
     monkeypatch.setattr(completion_logs, "HUB_TIMEOUT", 0.2)
     hub = FakeHub(create=lambda: __import__("time").sleep(5))
     with pytest.raises(
-        RuntimeError, match=r"TimeoutError: creating the Hub dataset repo .* longer than 0.2 s"
+        RuntimeError, match=r"CallTimeout: creating the Hub dataset repo .* did not return within 0.2 s"
     ):
         HubUploader("completions", str(tmp_path), private=None, api=hub)

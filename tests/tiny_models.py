@@ -100,3 +100,26 @@ class ScriptedDecoder:
 
     def keep(self, rows):
         self.serving = self.serving[rows]
+
+
+def always_calling_llama(call: str) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """A tiny Llama and its tokenizer that answer every turn with the text `call` (one added token),
+    then EOS: greedily, and by a logit margin of about 110 at any usual sampling temperature too. A
+    scripted tool call for end-to-end runs: its layers add nothing (o_proj and down_proj are zero),
+    so the next token depends on the current one alone, EOS after `call`, `call` after any other."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens([call])
+    call_id = tokenizer.convert_tokens_to_ids(call)
+    model = tiny_llama(vocab_size=len(tokenizer))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight  # (V, H) each
+        embed.zero_()
+        embed[:, 0] = 1.0  # every token but the call points along dimension 0, the call along 1
+        embed[call_id] = torch.nn.functional.one_hot(torch.tensor(1), embed.shape[1]).float()
+        head.zero_()
+        head[call_id, 0] = 20.0  # after RMSNorm a one-hot hidden state is sqrt(32) ~ 5.7 long
+        head[tokenizer.eos_token_id, 1] = 20.0
+    return model, tokenizer

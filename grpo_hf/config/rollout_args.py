@@ -87,7 +87,11 @@ class RolloutArguments:
     )
     mask_truncated_completions: bool = field(
         default=False,
-        metadata={"help": "Exclude completions that hit max_completion_length from the loss (DAPO)."},
+        metadata={
+            "help": "Exclude truncated completions from the loss (DAPO's overlong filtering): as in TRL, those "
+            "that end without EOS, i.e. hit max_completion_length or, with vLLM, stopped at a `stop` string "
+            "of generation_kwargs."
+        },
     )
 
     # ---- Rewards and advantages ----------------------------------------------------------------
@@ -153,6 +157,15 @@ class RolloutArguments:
         metadata={
             "help": 'Seconds a tool call may take; after that the model gets {"error": ...} instead and the '
             "call counts as failed."
+        },
+    )
+    environment_timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "Seconds an environment's reset(**row) or get_reward() may take (environment_factory=; TRL "
+            "has no limit). Past it the call is abandoned and a TimeoutError names the method: a reset stops "
+            "the run, a get_reward fails as a reward function does (reward_error_policy). Raise it for "
+            "environments that start a sandbox or container in reset."
         },
     )
 
@@ -229,6 +242,7 @@ class RolloutArguments:
                 "max_tool_calling_iterations must be >= 0 (or None: no limit)",
             ),
             (self.tool_timeout > 0, "tool_timeout must be > 0 seconds"),
+            (self.environment_timeout > 0, "environment_timeout must be > 0 seconds"),
         ]
         check_ranges(checks)
 

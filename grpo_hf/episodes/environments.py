@@ -9,11 +9,15 @@ TRL 1.16's semantics.
   prompt's last message (a row without a `prompt` starts from an empty user message, so the string
   is the prompt); `get_reward()` (optional, plain or `async def`) scores the finished episode from
   the environment's state.
+- Both run with a time limit, `environment_timeout` (ours; TRL has none): past it the call is
+  abandoned (`tools.call_with_timeout`) and a `TimeoutError` names the method and the setting. A
+  stuck reset stops the run; a stuck get_reward is a failing reward function (`reward_error_policy`:
+  the run stops, or under 'zero' the episode scores 0), and its instance leaves the pool.
 - Construct once, reset often: one instance per name is made at construction (to check it and read
   its tools) and pooled; a batch draws one instance per row, and the pool grows only when a batch
   needs more instances of an environment than exist. Every row's instance is reset before its
-  episode. An instance whose tool call timed out is dropped from the pool (its abandoned call may
-  still be running on it) and a fresh one takes its place when needed.
+  episode. An instance whose tool call or get_reward timed out is dropped from the pool (its
+  abandoned call may still be running on it) and a fresh one takes its place when needed.
 - Environment-owned rewards: each environment class with `get_reward` adds one reward source
   named after the class, weight 1, after the `reward_funcs` (whose `reward_weights` apply to them
   alone); it scores the rollouts of that exact class and gives None ("does not apply") to others.
@@ -21,12 +25,14 @@ TRL 1.16's semantics.
   prompt; the trainer cycles a placeholder dataset of empty prompts, `max_steps` sets the length.
 """
 
+import asyncio
 import inspect
 from collections.abc import Callable
 
 from datasets import Dataset
 
 from grpo_hf.config.grpo_config import GRPOConfig
+from grpo_hf.episodes.tools import CallTimeout, call_with_timeout
 
 EMPTY_PROMPT = [{"role": "user", "content": ""}]
 
@@ -34,9 +40,13 @@ EnvironmentFactory = Callable[[], object]
 
 
 class EnvironmentPool:
-    """The run's environments by name (None for a single factory) and their reusable instances."""
+    """The run's environments by name (None for a single factory) and their reusable instances;
+    `timeout` bounds each reset and get_reward (`environment_timeout`)."""
 
-    def __init__(self, environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory]):
+    def __init__(
+        self, environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory], timeout: float
+    ):
+        self.timeout = timeout
         self.multi = isinstance(environment_factory, dict)
         self.factories = dict(environment_factory) if self.multi else {None: environment_factory}
         if not self.factories:
@@ -78,7 +88,8 @@ class EnvironmentPool:
             drawn[name] = index + 1
             instances.append(pool[index])
         prompts = [
-            reset_prompt(instance, row, self.multi) for instance, row in zip(instances, rows, strict=True)
+            reset_prompt(instance, row, self.multi, self.timeout)
+            for instance, row in zip(instances, rows, strict=True)
         ]
         return instances, names, prompts
 
@@ -92,7 +103,7 @@ class EnvironmentPool:
         classes = dict.fromkeys(
             type(p) for p in self.probes.values() if inspect.isfunction(getattr(type(p), "get_reward", None))
         )
-        return [environment_reward(cls) for cls in classes]
+        return [environment_reward(cls, self.timeout, self.discard) for cls in classes]
 
     def check_dataset(self, dataset, name: str) -> None:
         """A dict of environments needs an `environment` column naming known environments."""
@@ -113,11 +124,41 @@ class EnvironmentPool:
                 )
 
 
-def reset_prompt(environment: object, row: dict, multi: bool) -> list[dict]:
-    """Reset `environment` with the row (less its `environment` routing column) and return the prompt,
-    what `reset` returned appended to its last message."""
-    observation = environment.reset(
-        **({k: v for k, v in row.items() if k != "environment"} if multi else row)
+def call_environment(environment: object, method: str, timeout: float, **kwargs) -> object:
+    """`environment.<method>(**kwargs)`, run to its end when it is `async def`, within `timeout`
+    seconds; past it, a `CallTimeout` (a TimeoutError) naming the method and `environment_timeout`
+    (the call is abandoned: its thread may still run on the environment)."""
+
+    def call() -> object:
+        result = getattr(environment, method)(**kwargs)
+        return asyncio.run(result) if inspect.iscoroutine(result) else result
+
+    try:
+        return call_with_timeout(call, timeout, f"{type(environment).__name__}.{method}()")
+    except CallTimeout as err:
+        raise CallTimeout(
+            f"{err} (environment_timeout={timeout:g}): fix the environment, or raise environment_timeout if "
+            f"its {method} needs longer."
+        ) from None
+
+
+def environment_pool(
+    environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None, args: GRPOConfig
+) -> EnvironmentPool | None:
+    """The run's environments (`environment_timeout` bounding their calls), None without a factory."""
+    if environment_factory is None:
+        return None
+    return EnvironmentPool(environment_factory, args.environment_timeout)
+
+
+def reset_prompt(environment: object, row: dict, multi: bool, timeout: float) -> list[dict]:
+    """Reset `environment` with the row (less its `environment` routing column) within `timeout`
+    seconds and return the prompt, what `reset` returned appended to its last message."""
+    observation = call_environment(
+        environment,
+        "reset",
+        timeout,
+        **({k: v for k, v in row.items() if k != "environment"} if multi else row),
     )
     prompt = row.get("prompt", EMPTY_PROMPT)
     if observation is None:
@@ -130,18 +171,30 @@ def reset_prompt(environment: object, row: dict, multi: bool) -> list[dict]:
     return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
 
 
-def environment_reward(cls: type) -> Callable:
-    """A reward function calling `get_reward()` on each rollout's environment of exactly class `cls`
-    (None for other classes), `async def` when `get_reward` is; named after the class."""
+def environment_reward(cls: type, timeout: float, discard: Callable[[list[object]], None]) -> Callable:
+    """A reward function calling `get_reward()`, within `timeout` seconds, on each rollout's
+    environment of exactly class `cls` (None for other classes), `async def` when `get_reward` is
+    (it then awaits each call on a helper thread); named after the class. An instance whose
+    get_reward timed out goes to `discard` before the error propagates."""
+
+    def score(environment: object) -> float | None:
+        if type(environment) is not cls:
+            return None
+        try:
+            return call_environment(environment, "get_reward", timeout)
+        except CallTimeout:  # its call may still run on it
+            discard([environment])
+            raise
+
     if inspect.iscoroutinefunction(cls.get_reward):
 
         async def reward(environments: list, **kwargs) -> list[float | None]:
-            return [await e.get_reward() if type(e) is cls else None for e in environments]
+            return [await asyncio.to_thread(score, e) for e in environments]
 
     else:
 
         def reward(environments: list, **kwargs) -> list[float | None]:
-            return [e.get_reward() if type(e) is cls else None for e in environments]
+            return [score(e) for e in environments]
 
     reward.__name__ = reward.__qualname__ = cls.__name__
     return reward

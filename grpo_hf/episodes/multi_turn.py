@@ -12,7 +12,11 @@ completion without EOS; tool results that do not fit are cut).
 The completion of an episode is every model turn and tool result in order: tool-result tokens are
 in the attention mask (the model reads them) and in `Rollout.tool_mask`, which the trainer takes
 out of the loss, the KL and the entropy. For the reward functions the completion is the list of
-its messages (assistant turns, with `tool_calls` where they called, and tool messages).
+its messages (assistant turns, with `tool_calls` where they called, and tool messages). The
+sampler's log-probs are kept per model token (0 on tool results, which are out of the loss); when
+a turn of the round has none (a generator that records none, e.g. beam search), the round has none
+(`Rollout.sampler_logps` None, as a single-turn rollout without them): no 0, which would read as
+probability 1, stands in for them.
 
 Each turn is one generation call over the whole context: the decoder prefills it again rather
 than keeping the previous turn's KV cache (prefill is one batched pass; the decoding steps, one
@@ -49,7 +53,9 @@ class Episode:
     context: list[int]  # prompt and completion tokens so far
     ids: list[int] = field(default_factory=list)  # completion tokens: model turns and tool results
     from_tool: list[int] = field(default_factory=list)  # 1 on tool-result tokens
-    sampler_logps: list[float] = field(default_factory=list)  # 0 on tool-result tokens
+    sampler_logps: list[float] | None = field(
+        default_factory=list
+    )  # 0 on tool results; None: a turn had none
     messages: list[dict] = field(default_factory=list)
     tool_calls: int = 0  # calls answered
     failed_calls: int = 0
@@ -58,10 +64,12 @@ class Episode:
     done: bool = False
 
     def add(self, tokens: list[int], logps: list[float] | None, tool: bool) -> None:
+        """Append tokens and their sampler log-probs (None: not recorded, for the whole episode)."""
         self.ids += tokens
         self.context += tokens
         self.from_tool += [int(tool)] * len(tokens)
-        self.sampler_logps += logps if logps is not None else [0.0] * len(tokens)
+        recorded = self.sampler_logps is not None and logps is not None
+        self.sampler_logps = self.sampler_logps + logps if recorded else None
 
 
 def tool_episodes(
@@ -215,7 +223,7 @@ def _add_tool_results(
     episode.messages += messages
     tokens = render(messages)
     room = max_completion_length - len(episode.ids)
-    episode.add(tokens[:room], None, tool=True)
+    episode.add(tokens[:room], [0.0] * len(tokens[:room]), tool=True)  # out of the loss
     if len(tokens) >= room:  # no room left for the model to answer
         episode.truncated = episode.done = True
 
@@ -230,12 +238,15 @@ def _as_rollout(
             [v + [fill] * (width - len(v)) for v in values], dtype=dtype, device=prompt_ids.device
         )
 
+    sampler_logps = None  # a turn without them: none for the round, as no 0 may stand in for them
+    if all(e.sampler_logps is not None for e in episodes):
+        sampler_logps = padded([e.sampler_logps for e in episodes], 0.0, torch.float32)  # (B, C)
     return Rollout(
         prompt_ids,
         prompt_mask,
         completion_ids=padded([e.ids for e in episodes], pad, torch.long),  # (B, C)
         completion_mask=padded([[1] * len(e.ids) for e in episodes], 0, torch.long),  # (B, C)
         truncated=torch.tensor([e.truncated for e in episodes], device=prompt_ids.device),  # (B,)
-        sampler_logps=padded([e.sampler_logps for e in episodes], 0.0, torch.float32),  # (B, C)
+        sampler_logps=sampler_logps,
         tool_mask=padded([e.from_tool for e in episodes], 0, torch.long),  # (B, C)
     )

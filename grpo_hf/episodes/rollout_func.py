@@ -7,8 +7,11 @@ per row, `prompt_ids` and `completion_ids` (token id lists) and `logprobs` (the 
 of each completion token, or None for the whole batch when it has none). Optional:
 `env_mask` (per completion token, 1 where the model produced it, 0 where an environment did: those
 tokens stay in the context and out of the loss, as tool results do) and `logprob_token_ids`
-(accepted, unused). Every other key is a column for the reward functions (a list: one value per
-row; anything else: the same value for every row).
+(accepted, unused). Every other key is a column for the reward functions, as TRL reads it: a list
+gives one value per row (so it must have one per row: a list of another length is an error, as it
+would leave rows without a value or drop values), anything else is the same value for every row.
+Each row's `logprobs` and `env_mask` must have one value per completion token. These checks run
+before the rewards and the loss, with errors naming `rollout_func` and the key.
 
 Unlike our own rollouts, the completion is taken as returned: an EOS inside it (the end of a turn
 before an environment's reply) does not end it; it counts as truncated when its last token is not
@@ -63,12 +66,24 @@ def call_rollout_func(
         device,
     )
     completions = decode_completions(tokenizer, result, chat=not isinstance(prompts[0], str))
-    columns = {
-        key: value if isinstance(value, list) and len(value) == n else [value] * n
-        for key, value in output.items()
-        if key not in _NOT_COLUMNS
-    }
-    return result, completions, columns
+    return result, completions, reward_columns(output, n)
+
+
+def reward_columns(output: dict[str, Any], n: int) -> dict[str, list]:
+    """The extra keys of a rollout_func output as columns of `n` rows: a list is one value per row
+    (TRL's meaning), anything else the same value for every row."""
+    columns = {}
+    for key, value in output.items():
+        if key in _NOT_COLUMNS:
+            continue
+        if isinstance(value, list) and len(value) != n:
+            raise ValueError(
+                f"rollout_func returned a list of {len(value)} for {key!r} with {n} prompts: a list is one value "
+                f"per prompt (row), in the prompts' order; return {n} values, or [value] * {n} to give every row "
+                "the same list (a value that is not a list already goes to every row)."
+            )
+        columns[key] = value if isinstance(value, list) else [value] * n
+    return columns
 
 
 def rollout_from_lists(
@@ -82,12 +97,12 @@ def rollout_from_lists(
 ) -> Rollout:
     """Per-row token lists as a `Rollout`: prompts left-padded, completions right-padded, every
     returned token in the completion mask, environment tokens (env_mask 0) in `tool_mask`."""
-    for row, (ids, values) in enumerate(zip(completion_ids, logprobs or completion_ids, strict=True)):
-        if len(values) != len(ids):
-            raise ValueError(
-                f"rollout_func: row {row} has {len(ids)} completion_ids but {len(values)} logprobs; return one "
-                "log-prob per completion token."
-            )
+    _check_token_rows(completion_ids, logprobs, "logprobs", "log-prob")
+    _check_token_rows(
+        completion_ids, env_mask, "env_mask", "mask value (1: the model's, 0: an environment's)"
+    )
+    if env_mask is not None and any(m not in (0, 1) for row in env_mask for m in row):
+        raise ValueError("rollout_func: env_mask values must be 1 (a model token) or 0 (an environment's).")
     prompts, prompt_mask = left_padded([list(ids) for ids in prompt_ids], pad_token_id, device)  # (B, P)
     ids = right_padded(completion_ids, pad_token_id, torch.long, device)  # (B, C)
     mask = right_padded([[1] * len(row) for row in completion_ids], 0, torch.long, device)  # (B, C)
@@ -105,3 +120,13 @@ def rollout_from_lists(
             [[1 - int(m) for m in row] for row in env_mask], 0, torch.long, device
         )  # (B, C)
     return Rollout(prompts, prompt_mask, ids, mask, truncated, sampler_logps, tool_mask)
+
+
+def _check_token_rows(completion_ids: list[list[int]], rows: list[list] | None, key: str, what: str) -> None:
+    """Each row of `rows` (a per-token key of the output; None: not given) as long as its completion."""
+    for row, (ids, values) in enumerate(zip(completion_ids, rows or completion_ids, strict=True)):
+        if len(values) != len(ids):
+            raise ValueError(
+                f"rollout_func: row {row} has {len(ids)} completion_ids but {len(values)} {key}; return one "
+                f"{what} per completion token."
+            )

@@ -291,17 +291,39 @@ def run_episode_calls(
     return results
 
 
-def _run_with_timeout(call: ToolCall, tools: dict[str, Callable], timeout: float) -> ToolResult:
-    """`_run` in a daemon thread, abandoned after `timeout` seconds."""
-    outcome: list[tuple[str, bool]] = []
-    worker = threading.Thread(target=lambda: outcome.append(_run(call, tools)), daemon=True)
+class CallTimeout(TimeoutError):
+    """A `call_with_timeout` call that did not return in time (not a TimeoutError the call raised)."""
+
+
+def call_with_timeout(func: Callable[[], object], timeout: float, what: str) -> object:
+    """`func()` on a daemon thread; what it returns, or what it raised raised here. Past `timeout`
+    seconds it is abandoned with a `CallTimeout` naming `what`: not stopped, its thread runs on in
+    the background (Python cannot stop a thread). Every call with a time limit goes through here
+    (tool calls, environments' reset / get_reward, Hub uploads)."""
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = func()
+        except BaseException as err:  # handed to the caller
+            outcome["error"] = err
+
+    worker = threading.Thread(target=run, daemon=True, name=f"timeout: {what}")
     worker.start()
     worker.join(timeout)
-    if not outcome:
-        return ToolResult(
-            _tool_message(call, _error(f"{call.name} did not return within {timeout:g} s.")), True, True
-        )
-    content, failed = outcome[0]
+    if worker.is_alive():
+        raise CallTimeout(f"{what} did not return within {timeout:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _run_with_timeout(call: ToolCall, tools: dict[str, Callable], timeout: float) -> ToolResult:
+    """`_run` abandoned after `timeout` seconds (then a failed, timed-out call)."""
+    try:
+        content, failed = call_with_timeout(lambda: _run(call, tools), timeout, call.name)
+    except CallTimeout as err:
+        return ToolResult(_tool_message(call, _error(f"{err}.")), True, True)
     return ToolResult(_tool_message(call, content), failed)
 
 

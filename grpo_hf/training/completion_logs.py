@@ -21,7 +21,6 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
 
 import pyarrow
 import torch
@@ -32,6 +31,7 @@ from transformers import TrainerCallback
 from grpo_hf.algorithm.advantages import combine_rewards
 from grpo_hf.config.grpo_config import GRPOConfig
 from grpo_hf.data.rollout import ScoredRound, message_text, transcript
+from grpo_hf.episodes.tools import call_with_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -113,26 +113,6 @@ def log_to_wandb(rows: list[dict]) -> None:
     if wandb.run is not None:
         table = wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
         wandb.log({"completions": table}, commit=False)
-
-
-def call_with_timeout(func: Callable[[], object], timeout: float, what: str) -> object:
-    """`func()` on a daemon thread, abandoned after `timeout` seconds (TimeoutError); its error re-raised."""
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = func()
-        except Exception as err:  # handed to the caller
-            outcome["error"] = err
-
-    worker = threading.Thread(target=run, daemon=True, name="completions-upload")
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise TimeoutError(f"{what} took longer than {timeout:g} s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
 
 
 class HubUploader:
