@@ -5,7 +5,8 @@
   without reading it, its rows then by `PromptChecker` as they come, see `streaming`).
 - `check_batching`: dataloader settings a GRPO batch cannot go through, before any model work
   (`check_datasets` runs both).
-- `GroupSampler`: each prompt repeated G times, in the same order on every process.
+- `GroupSampler`: each prompt repeated G times, in the same order on every process;
+  `data_order_seed`: the seed of the data order.
 - `ExtraPrompts` / `extra_prompt_indices`: the prompts of dynamic sampling's extra rounds, a
   second shuffled stream.
 - `keep_rows`: the collator (a batch is its list of rows; a module-level function, so that
@@ -180,6 +181,12 @@ def check_batching(args, train_dataset) -> None:
                 args.dataloader_num_workers,
             )
             args.dataloader_num_workers = 0
+
+
+def data_order_seed(args) -> int:
+    """The seed of the data order (samplers, a stream's shuffle, dynamic sampling's extra prompts):
+    `data_seed` when set, else `seed`, as `TrainingArguments` documents `data_seed`."""
+    return args.data_seed if args.data_seed is not None else args.seed
 
 
 class GroupSampler(Sampler[int]):

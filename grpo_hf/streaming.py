@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import datasets
 import torch
 
-from grpo_hf.data import EXTRA_STREAM_SEED, ExtraPrompts, PromptChecker, is_stream
+from grpo_hf.data import EXTRA_STREAM_SEED, ExtraPrompts, PromptChecker, data_order_seed, is_stream
 
 
 def stream_rows(source: datasets.IterableDataset, checker: PromptChecker, endless: bool) -> Iterator[dict]:
@@ -92,7 +92,7 @@ def group_stream(
     checker = PromptChecker(name, needs_chat)
     if not training:
         return GroupStream(dataset, checker, args.num_generations_eval)
-    source = dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
+    source = dataset.shuffle(seed=data_order_seed(args)) if args.shuffle_dataset else dataset
     return GroupStream(
         source,
         checker,
