@@ -27,6 +27,8 @@ from transformers import TrainerCallback
 STATE_FILE = "grpo_state.json"
 ROUND_FILE = "grpo_round_{}.pt"  # per process: the rest of a generation round saved mid-round
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# resume_from_checkpoint as the command line gives it (a string): these words are a bool, not a folder
+_RESUME_WORDS = {"true": True, "1": True, "false": False, "0": False, "": False}
 
 
 def write_state(folder: str, state: dict) -> None:
@@ -97,8 +99,14 @@ def read_checkpoint(
     return state, micro_step, rest
 
 
-def checkpoint_to_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | bool | None:
-    """`resume_from_checkpoint` as given, but True is the newest complete checkpoint in output_dir."""
+def checkpoint_to_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
+    """The checkpoint folder to resume from, None for none. True, or the command line's "true" / "1"
+    (`TrainingArguments.resume_from_checkpoint` is a string), is the newest complete checkpoint in
+    output_dir; False, "false", "0" and "" are none (case-insensitive); any other string is a folder."""
+    if isinstance(resume_from_checkpoint, str):
+        resume_from_checkpoint = _RESUME_WORDS.get(resume_from_checkpoint.lower(), resume_from_checkpoint)
+    if not resume_from_checkpoint:
+        return None
     if resume_from_checkpoint is not True:
         return resume_from_checkpoint
     folder = last_complete_checkpoint(output_dir)

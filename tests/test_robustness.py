@@ -12,8 +12,8 @@ from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
 from transformers import TrainerCallback
 
-from grpo_hf import GRPOTrainer, checkpoints
-from grpo_hf.checkpoints import STATE_FILE, last_complete_checkpoint
+from grpo_hf import GRPOConfig, GRPOTrainer, TrlParser, checkpoints
+from grpo_hf.checkpoints import STATE_FILE, checkpoint_to_resume, last_complete_checkpoint, write_state
 
 
 def build(
@@ -200,6 +200,29 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     resumed.train(resume_from_checkpoint=True)  # takes checkpoint-1
     assert resumed.state.global_step == 2
+
+
+@pytest.mark.parametrize("flag", ["true", "True", "TRUE", "1"])
+def test_resume_from_checkpoint_true_on_the_command_line_takes_the_newest_complete_one(tmp_path, flag):
+    """The README's `--resume_from_checkpoint true`: TrainingArguments declares the setting a string."""
+    (args,) = TrlParser(GRPOConfig).parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--resume_from_checkpoint", flag, "--use_cpu", "--bf16", "false"]
+    )
+    assert args.resume_from_checkpoint == flag
+    for step in (1, 2, 3):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    write_state(str(tmp_path / "checkpoint-2"), {})  # checkpoint-3 is incomplete (no grpo_state.json)
+    assert checkpoint_to_resume(args.resume_from_checkpoint, str(tmp_path)) == str(tmp_path / "checkpoint-2")
+
+
+@pytest.mark.parametrize("flag", ["false", "False", "0", "", None, False])
+def test_resume_from_checkpoint_false_on_the_command_line_is_no_resume(tmp_path, flag):
+    assert checkpoint_to_resume(flag, str(tmp_path)) is None
+
+
+def test_resume_from_checkpoint_given_a_folder_takes_it(tmp_path):
+    folder = str(tmp_path / "checkpoint-7")
+    assert checkpoint_to_resume(folder, str(tmp_path)) == folder
 
 
 def test_checkpoint_inside_a_round_holds_its_micro_batches(tmp_path):
