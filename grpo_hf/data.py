@@ -114,15 +114,18 @@ def check_prompt_kinds(kinds: set[str], name: str, needs_chat: bool) -> None:
 
 class PromptChecker:
     """`check_prompt_dataset`'s rules for rows read one at a time (a stream's): the first row's
-    columns, then every row's prompt against the kind of the rows before it."""
+    columns, then every row's prompt against the kind of the rows before it. An error names the
+    row by its place in the pass over the stream it was read in: `index` counts the rows read in
+    pass `pass_index` (after a shuffle buffer, if any)."""
 
     def __init__(self, name: str, needs_chat: bool):
         self.name, self.needs_chat = name, needs_chat
         self.kind: str | None = None
-        self.rows = 0
+        self.rows = 0  # rows checked, over every pass
 
-    def __call__(self, row: dict) -> dict:
-        where = f"{self.name} (row {self.rows} of the stream)"
+    def __call__(self, row: dict, index: int, pass_index: int = 0) -> dict:
+        of_pass = f" of pass {pass_index}" if pass_index else ""
+        where = f"{self.name} (row {index}{of_pass} of the stream)"
         if self.rows == 0 or "prompt" not in row:
             check_columns(list(row), where, self.needs_chat)
         kind = prompt_kind(row["prompt"])

@@ -14,7 +14,8 @@ times, whole generation batches, each repeated for the micro-steps it feeds. Wha
   (Accelerate would split a `datasets.IterableDataset` by its shards instead, and each process
   would form its groups from different prompts: `GroupStream` is a plain torch IterableDataset.)
 - Rows are checked as they are read (`data.PromptChecker`): a bad row stops the run naming its
-  position in the stream.
+  position in the pass over the stream it was read in ("row 3 of pass 1": its fourth row read in
+  the second pass).
 - Resuming: the Trainer skips the micro-batches already trained by reading them again from the
   start of the stream (nothing is generated for them). The resumed run continues exactly where it
   stopped if the stream yields the same rows in the same order each time it is read (a seeded
@@ -40,8 +41,8 @@ def stream_rows(source: datasets.IterableDataset, checker: PromptChecker, endles
         source.set_epoch(pass_index)
         read = 0
         for row in source:
+            yield checker(row, read, pass_index)
             read += 1
-            yield checker(row)
         if read == 0 and pass_index == 0:
             raise ValueError(f"{checker.name} is empty.")
         if read == 0:  # a one-shot stream (e.g. over a generator object) would loop here forever
