@@ -133,9 +133,15 @@ class SaveOnInterrupt(TrainerCallback):
     `catching_signals()` installs the handlers around `train()` and always restores the previous
     ones, even when training raises. A second signal falls back to the previous handler, so an
     impatient Ctrl-C still interrupts at once.
+
+    With several processes, a signal may reach one of them only (`kill <pid>`), or reach them on
+    either side of a step's end. Saving is collective (every process writes its part, the gathers
+    of FSDP / ZeRO), so at each step's end the processes agree (`received_anywhere`: an all-reduce
+    of one number) and all stop after the same step, with one complete checkpoint.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
         self.received: int | None = None
         self._previous: dict[int, object] = {}
 
@@ -158,8 +164,16 @@ class SaveOnInterrupt(TrainerCallback):
             signal.raise_signal(signum)
         self.received = signum
 
+    def received_anywhere(self) -> bool:
+        """Whether any process has received a signal (every process must call it: a collective)."""
+        received = self.received is not None
+        if self.accelerator.num_processes == 1:
+            return received
+        flag = torch.tensor([float(received)], device=self.accelerator.device)  # (1,)
+        return self.accelerator.reduce(flag, "sum").item() > 0
+
     def on_step_end(self, args, state, control, **kwargs):
-        if self.received is not None:
+        if self.received_anywhere():
             control.should_save = True
             control.should_training_stop = True
 

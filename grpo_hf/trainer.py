@@ -212,7 +212,7 @@ class GRPOTrainer(Trainer):
         self.add_callback(self.completion_log)
         self.add_callback(NonFiniteGuard(self.record))
         self.add_callback(ReferenceSync(self.accelerator, lambda: self.model, self.ref_model))
-        self.interrupt = SaveOnInterrupt()
+        self.interrupt = SaveOnInterrupt(self.accelerator)
         self.add_callback(self.interrupt)
 
     # ---- Data ---------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Bad input fails early with the setting named; faults during training lose nothing."""
 
+import json
 import math
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from peft import LoraConfig
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
 from transformers import TrainerCallback
+from two_processes import launch_two_processes
 
 from grpo_hf import GRPOConfig, GRPOTrainer, TrlParser, checkpoints
 from grpo_hf.checkpoints import STATE_FILE, checkpoint_to_resume, last_complete_checkpoint, write_state
@@ -178,6 +181,22 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
     assert trainer.state.global_step == 1
     assert last_complete_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-1")
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler removed after training
+
+
+@pytest.mark.slow
+def test_sigterm_reaching_one_of_two_processes_stops_both_after_the_same_step(tmp_path):
+    """The signal reaches process 1 only (`kill <pid>`, some schedulers) as step 3 begins: at the
+    end of step 3 both processes learn of it, both save checkpoint-3 and stop (gloo would abort on
+    the mismatched collectives of one process saving while the other trains on)."""
+    worker = Path(__file__).resolve().parent / "interrupt_worker.py"
+    launch_two_processes(worker, [str(tmp_path)], tmp_path)
+    for index in (0, 1):
+        result = json.loads((tmp_path / f"process-{index}.json").read_text())
+        assert result == {"stopped_after": [3], "global_step": 3}, f"process {index}"
+    train = tmp_path / "train"
+    assert sorted(p.name for p in train.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3"]
+    assert last_complete_checkpoint(str(train)) == str(train / "checkpoint-3")  # grpo_state.json written
+    assert json.loads((train / "checkpoint-3" / "trainer_state.json").read_text())["global_step"] == 3
 
 
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
