@@ -12,7 +12,9 @@ anything is parsed. Departures from TRL, each an earlier or clearer error: `Mode
 `dtype` or `bnb_4bit_quant_type` outside its choices also when it comes from YAML or Python (argparse
 checks only the command line), `DatasetConfig` keys are checked when a mixture is built, unknown
 keys in the YAML file are reported before the command line is parsed, and `--config=path` is read
-like `--config path`.
+like `--config path`. One setting TRL lacks: `DatasetMixtureConfig.test_split_seed` seeds
+`get_dataset`'s test split (TRL's draws from NumPy's global random state, another split on every
+process and every run).
 """
 
 import argparse
@@ -187,6 +189,7 @@ class DatasetMixtureConfig:
           - path: some/hub-dataset
             split: train
         test_split_size: 0.1
+        test_split_seed: 0
 
     On the command line, `--datasets a b` gives datasets by `path` only.
     """
@@ -203,6 +206,15 @@ class DatasetMixtureConfig:
         metadata={
             "help": "Split the mixture into 'train' and 'test' (`test_size` of `Dataset.train_test_split`: a "
             "fraction, or a number of rows if > 1). None: everything is 'train'."
+        },
+    )
+    # Not in TRL (see the module docstring). Not named `seed`: a TRL script parses this class with
+    # GRPOConfig, which has a `--seed` already.
+    test_split_seed: int = field(
+        default=0,
+        metadata={
+            "help": "Seed of the 'train' / 'test' split, so that every process and every run (a resumed "
+            "one included) gets the same split."
         },
     )
 

@@ -88,7 +88,8 @@ def get_dataset(mixture_config: DatasetMixtureConfig) -> datasets.DatasetDict:
     With `fraction`s (all datasets or none), each is a share of the mixture: shares are the
     fractions normalised to sum 1, and the mixture is as large as it can be without repeating rows,
     `N = min(len_i / share_i)`, of which dataset i gives its first `round(share_i * N)` rows.
-    Returns {'train'} or, with `test_split_size`, {'train', 'test'} (`train_test_split`, shuffled).
+    Returns {'train'} or, with `test_split_size`, {'train', 'test'} (`train_test_split`, shuffled
+    with `test_split_seed`: the same split on every process and every run).
     """
     configs = mixture_config.datasets
     if not configs:
@@ -123,7 +124,9 @@ def get_dataset(mixture_config: DatasetMixtureConfig) -> datasets.DatasetDict:
         ]
     mixture = datasets.concatenate_datasets(loaded)
     if mixture_config.test_split_size is not None:
-        return mixture.train_test_split(test_size=mixture_config.test_split_size)
+        return mixture.train_test_split(
+            test_size=mixture_config.test_split_size, seed=mixture_config.test_split_seed
+        )
     return datasets.DatasetDict({"train": mixture})
 
 

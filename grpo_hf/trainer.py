@@ -41,6 +41,7 @@ from grpo_hf.data import rollout
 from grpo_hf.data.batches import (
     GroupSampler,
     check_datasets,
+    data_order_seed,
     is_stream,
     keep_rows,
     padded_to_multiple,
@@ -199,7 +200,7 @@ class GRPOTrainer(Trainer):
         self.add_callback(self.entropy_control)
         self._micro_step = 0
         self._buffer: list[dict] = []
-        source = extra_prompt_source(self.train_dataset, args.seed, self.toolbox is not None)
+        source = extra_prompt_source(self.train_dataset, data_order_seed(args), self.toolbox is not None)
         self.extra_rounds = ExtraRounds(source, args.generation_batch_size, args.num_generations)
         self._round_kl: list[float] = []
         self.metrics = IntervalMetrics()
@@ -208,7 +209,7 @@ class GRPOTrainer(Trainer):
         self.add_callback(self.completion_log)
         self.add_callback(NonFiniteGuard(self.record))
         self.add_callback(ReferenceSync(self.accelerator, lambda: self.model, self.ref_model))
-        self.interrupt = SaveOnInterrupt()
+        self.interrupt = SaveOnInterrupt(self.accelerator)
         self.add_callback(self.interrupt)
 
     # ---- Data ---------------------------------------------------------------------------------
@@ -220,7 +221,7 @@ class GRPOTrainer(Trainer):
             num_generations=args.num_generations,
             prompts_per_batch=args.generation_batch_size // args.num_generations,
             repeats=self.round_length,
-            seed=args.seed,
+            seed=data_order_seed(args),
             shuffle=args.shuffle_dataset,
         )
 
@@ -235,7 +236,9 @@ class GRPOTrainer(Trainer):
         )
 
     def _get_eval_sampler(self, eval_dataset: Dataset) -> Sampler:
-        return GroupSampler(len(eval_dataset), self.args.num_generations_eval, 1, 1, self.args.seed)
+        return GroupSampler(
+            len(eval_dataset), self.args.num_generations_eval, 1, 1, data_order_seed(self.args)
+        )
 
     def _get_dataloader(
         self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None

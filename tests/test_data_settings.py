@@ -1,6 +1,8 @@
-"""Data settings through the trainer: shuffle_dataset, pad_to_multiple_of, chat_template_kwargs,
-remove_unused_columns, auto_find_batch_size, and dataloader workers started by spawn."""
+"""Data settings through the trainer: shuffle_dataset, data_seed, pad_to_multiple_of,
+chat_template_kwargs, remove_unused_columns, auto_find_batch_size, and dataloader workers started
+by spawn."""
 
+import itertools
 import pickle
 
 import pytest
@@ -13,6 +15,7 @@ from transformers import HfArgumentParser
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.data.batches import GroupSampler, keep_rows, padded_to_multiple, trim_padding
 from grpo_hf.data.rollout import Rollout, render_prompt, tokenize_prompts
+from grpo_hf.data.streaming import group_stream
 from grpo_hf.episodes.tools import Toolbox, ToolResultRenderer, render_tool_prompt
 from grpo_hf.rewards.scoring import RewardModel, score_with_model
 
@@ -72,6 +75,31 @@ def test_shuffle_dataset_through_the_trainer(tmp_path, shuffle):
     order = [rows[i] for rows in trainer.answers for i in (0, 4)]
     assert sorted(order) == list(range(8))
     assert (order == list(range(8))) is not shuffle
+
+
+def data_orders(tmp_path, **seeds) -> dict[str, list[int]]:
+    """Every prompt order the seeds set: the train and eval samplers, dynamic sampling's extra
+    prompts, a stream's shuffle (each as prompt numbers, 8 prompts)."""
+    trainer = make_trainer(tmp_path, **seeds)
+    args = trainer.args
+    stream = group_stream(chat_dataset().to_iterable_dataset(), args, "train_dataset", False, training=True)
+    return {
+        "train": list(trainer._get_train_sampler())[:: args.num_generations],
+        "eval": list(trainer._get_eval_sampler(chat_dataset()))[:: args.num_generations_eval],
+        "extra": [int(row["answer"]) // 2 for row in trainer.extra_rounds.source.take(0, 8)],
+        "stream": [int(row["answer"]) // 2 for row in itertools.islice(stream, 0, 32, args.num_generations)],
+    }
+
+
+def test_data_seed_sets_every_data_order_and_seed_does_not_when_it_is_set(tmp_path):
+    """TrainingArguments' data_seed: the seed of the data samplers, independent of the model's
+    `seed`; unset, `seed` is used."""
+    one = data_orders(tmp_path, seed=0, data_seed=1)
+    assert all(sorted(order) == list(range(8)) for order in one.values())  # 8 prompts, each once
+    two = data_orders(tmp_path, seed=0, data_seed=2)
+    assert all(one[name] != two[name] for name in one)
+    assert data_orders(tmp_path, seed=5, data_seed=1) == one
+    assert data_orders(tmp_path, seed=1) == one  # data_seed None: the orders of seed
 
 
 # ---- pad_to_multiple_of -------------------------------------------------------------------------

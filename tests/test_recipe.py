@@ -87,6 +87,26 @@ def test_recipe_rejects_an_unknown_task_before_loading_the_model(tmp_path):
 
 
 @pytest.mark.slow
+def test_recipe_resumes_with_resume_from_checkpoint_true(tmp_path):
+    """The README's resume command: the second run takes checkpoint-1 and trains step 2 only."""
+    model_dir = tmp_path / "tiny-llama"
+    tiny_llama().save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    model = ("--model_name_or_path", str(model_dir), "--precision", "fp32")
+    first = run_recipe(tmp_path / "out", *model, "--max_steps", "1")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert (tmp_path / "out" / "checkpoint-1" / "grpo_state.json").is_file()
+    resumed = run_recipe(
+        tmp_path / "out", *model, "--resume_from_checkpoint", "true", "--log_level", "info"
+    )  # max_steps 2
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "Resuming training from checkpoint with epoch 0 and global step 1" in resumed.stderr
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["steps"] == 2
+    state = json.loads((tmp_path / "out" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2]
+
+
+@pytest.mark.slow
 def test_recipe_full_finetuning_on_two_zero3_processes(tmp_path):
     """Sharded policy and reference, generation and the after-training evaluation on the main
     process alone: the whole recipe finishes under DeepSpeed ZeRO-3 (a tiny model, 2 CPU processes)."""

@@ -1,8 +1,10 @@
 """Bad input fails early with the setting named; faults during training lose nothing."""
 
+import json
 import math
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +13,16 @@ from peft import LoraConfig
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
 from transformers import TrainerCallback
+from two_processes import launch_two_processes
 
-from grpo_hf import GRPOTrainer
+from grpo_hf import GRPOConfig, GRPOTrainer, TrlParser
 from grpo_hf.training import checkpoints
-from grpo_hf.training.checkpoints import STATE_FILE, last_complete_checkpoint
+from grpo_hf.training.checkpoints import (
+    STATE_FILE,
+    checkpoint_to_resume,
+    last_complete_checkpoint,
+    write_state,
+)
 
 
 def build(
@@ -181,6 +189,22 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler removed after training
 
 
+@pytest.mark.slow
+def test_sigterm_reaching_one_of_two_processes_stops_both_after_the_same_step(tmp_path):
+    """The signal reaches process 1 only (`kill <pid>`, some schedulers) as step 3 begins: at the
+    end of step 3 both processes learn of it, both save checkpoint-3 and stop (gloo would abort on
+    the mismatched collectives of one process saving while the other trains on)."""
+    worker = Path(__file__).resolve().parent / "interrupt_worker.py"
+    launch_two_processes(worker, [str(tmp_path)], tmp_path)
+    for index in (0, 1):
+        result = json.loads((tmp_path / f"process-{index}.json").read_text())
+        assert result == {"stopped_after": [3], "global_step": 3}, f"process {index}"
+    train = tmp_path / "train"
+    assert sorted(p.name for p in train.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3"]
+    assert last_complete_checkpoint(str(train)) == str(train / "checkpoint-3")  # grpo_state.json written
+    assert json.loads((train / "checkpoint-3" / "trainer_state.json").read_text())["global_step"] == 3
+
+
 def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     trainer = build(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, save_total_limit=1)
     real_write = checkpoints.write_state
@@ -201,6 +225,29 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     resumed.train(resume_from_checkpoint=True)  # takes checkpoint-1
     assert resumed.state.global_step == 2
+
+
+@pytest.mark.parametrize("flag", ["true", "True", "TRUE", "1"])
+def test_resume_from_checkpoint_true_on_the_command_line_takes_the_newest_complete_one(tmp_path, flag):
+    """The README's `--resume_from_checkpoint true`: TrainingArguments declares the setting a string."""
+    (args,) = TrlParser(GRPOConfig).parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--resume_from_checkpoint", flag, "--use_cpu", "--bf16", "false"]
+    )
+    assert args.resume_from_checkpoint == flag
+    for step in (1, 2, 3):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    write_state(str(tmp_path / "checkpoint-2"), {})  # checkpoint-3 is incomplete (no grpo_state.json)
+    assert checkpoint_to_resume(args.resume_from_checkpoint, str(tmp_path)) == str(tmp_path / "checkpoint-2")
+
+
+@pytest.mark.parametrize("flag", ["false", "False", "0", "", None, False])
+def test_resume_from_checkpoint_false_on_the_command_line_is_no_resume(tmp_path, flag):
+    assert checkpoint_to_resume(flag, str(tmp_path)) is None
+
+
+def test_resume_from_checkpoint_given_a_folder_takes_it(tmp_path):
+    folder = str(tmp_path / "checkpoint-7")
+    assert checkpoint_to_resume(folder, str(tmp_path)) == folder
 
 
 def test_checkpoint_inside_a_round_holds_its_micro_batches(tmp_path):

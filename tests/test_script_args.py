@@ -66,6 +66,7 @@ def test_fields_and_defaults_are_trls():
         "datasets": [],
         "streaming": False,
         "test_split_size": None,
+        "test_split_seed": 0,  # ours: TRL's split is unseeded
     }
 
 
@@ -126,6 +127,26 @@ def test_yaml_gives_defaults_the_command_line_overrides_and_env_is_set(tmp_path,
     assert model.model_name_or_path == "some/model" and model.lora_target_modules == ["q_proj", "v_proj"]
     assert model.lora_alpha == 32  # in neither: the dataclass's default
     assert script.dataset_name == "data" and script.dataset_train_split == "train"
+
+
+def test_a_trl_script_parses_the_dataset_mixture_with_grpo_config(tmp_path):
+    """trl/scripts/grpo.py's four classes in one parser: no option defined twice (GRPOConfig has
+    --seed, the mixture's seed is --test_split_seed)."""
+    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig))
+    *_, training, _, mixture = parser.parse_args_and_config(
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--seed",
+            "3",
+            "--test_split_seed",
+            "5",
+            "--use_cpu",
+            "--bf16",
+            "false",
+        ]
+    )
+    assert (training.seed, mixture.test_split_seed) == (3, 5)
 
 
 def test_without_config_it_is_hf_argument_parser():

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -170,6 +171,21 @@ def test_test_split(files):
     assert sorted([*data["train"]["prompt"], *data["test"]["prompt"]]) == sorted(
         [f"a{i}" for i in range(10)] + [f"b{i}" for i in range(4)]
     )
+
+
+def test_the_test_split_is_the_same_on_every_call_whatever_numpy_s_random_state(files):
+    """Every process and every run split alike: the split has its own seed (test_split_seed), not
+    NumPy's global random state, which nothing has seeded when a script calls get_dataset."""
+
+    def split(numpy_seed: int, **seed) -> tuple[list[str], list[str]]:
+        np.random.seed(numpy_seed)
+        data = get_dataset(mixture(files, test_split_size=4, **seed))
+        return list(data["train"]["prompt"]), list(data["test"]["prompt"])
+
+    first = split(0)
+    assert split(1) == first and split(2, test_split_seed=0) == first  # the default seed is 0
+    assert split(0, test_split_seed=1) != first
+    assert split(3, test_split_seed=1) == split(4, test_split_seed=1)
 
 
 def test_a_local_folder_as_path(files):

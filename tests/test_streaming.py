@@ -181,6 +181,23 @@ def test_stream_columns_are_checked_when_known_and_rows_as_they_come(tmp_path):
     assert trainer.state.global_step == 1 and len(trainer.rounds["train"]) == 1
 
 
+class ChangingStream:
+    """A stream whose second pass differs: its row 1 is then a chat prompt among plain-text ones."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        second = [{"role": "user", "content": "b"}] if self.epoch == 1 else "b"
+        return iter([{"prompt": "a"}, {"prompt": second}, {"prompt": "c"}])
+
+
+def test_a_bad_row_is_named_by_its_place_in_its_pass():
+    rows = GroupStream(ChangingStream(), PromptChecker("train_dataset", False), 1, endless=True)
+    with pytest.raises(ValueError, match=r"train_dataset \(row 1 of pass 1 of the stream\).*mixes"):
+        list(rows)  # not row 4: the three rows of pass 0 do not count
+
+
 def test_an_empty_stream_is_named(tmp_path):
     trainer = make_trainer(tmp_path, text_rows([]), max_steps=1)
     with pytest.raises(ValueError, match="train_dataset is empty"):

@@ -5,7 +5,8 @@
   without reading it, its rows then by `PromptChecker` as they come, see `streaming`).
 - `check_batching`: dataloader settings a GRPO batch cannot go through, before any model work
   (`check_datasets` runs both).
-- `GroupSampler`: each prompt repeated G times, in the same order on every process.
+- `GroupSampler`: each prompt repeated G times, in the same order on every process;
+  `data_order_seed`: the seed of the data order.
 - `ExtraPrompts` / `extra_prompt_indices`: the prompts of dynamic sampling's extra rounds, a
   second shuffled stream.
 - `keep_rows`: the collator (a batch is its list of rows; a module-level function, so that
@@ -113,15 +114,18 @@ def check_prompt_kinds(kinds: set[str], name: str, needs_chat: bool) -> None:
 
 class PromptChecker:
     """`check_prompt_dataset`'s rules for rows read one at a time (a stream's): the first row's
-    columns, then every row's prompt against the kind of the rows before it."""
+    columns, then every row's prompt against the kind of the rows before it. An error names the
+    row by its place in the pass over the stream it was read in: `index` counts the rows read in
+    pass `pass_index` (after a shuffle buffer, if any)."""
 
     def __init__(self, name: str, needs_chat: bool):
         self.name, self.needs_chat = name, needs_chat
         self.kind: str | None = None
-        self.rows = 0
+        self.rows = 0  # rows checked, over every pass
 
-    def __call__(self, row: dict) -> dict:
-        where = f"{self.name} (row {self.rows} of the stream)"
+    def __call__(self, row: dict, index: int, pass_index: int = 0) -> dict:
+        of_pass = f" of pass {pass_index}" if pass_index else ""
+        where = f"{self.name} (row {index}{of_pass} of the stream)"
         if self.rows == 0 or "prompt" not in row:
             check_columns(list(row), where, self.needs_chat)
         kind = prompt_kind(row["prompt"])
@@ -180,6 +184,12 @@ def check_batching(args, train_dataset) -> None:
                 args.dataloader_num_workers,
             )
             args.dataloader_num_workers = 0
+
+
+def data_order_seed(args) -> int:
+    """The seed of the data order (samplers, a stream's shuffle, dynamic sampling's extra prompts):
+    `data_seed` when set, else `seed`, as `TrainingArguments` documents `data_seed`."""
+    return args.data_seed if args.data_seed is not None else args.seed
 
 
 class GroupSampler(Sampler[int]):

@@ -14,7 +14,8 @@ times, whole generation batches, each repeated for the micro-steps it feeds. Wha
   (Accelerate would split a `datasets.IterableDataset` by its shards instead, and each process
   would form its groups from different prompts: `GroupStream` is a plain torch IterableDataset.)
 - Rows are checked as they are read (`data.PromptChecker`): a bad row stops the run naming its
-  position in the stream.
+  position in the pass over the stream it was read in ("row 3 of pass 1": its fourth row read in
+  the second pass).
 - Resuming: the Trainer skips the micro-batches already trained by reading them again from the
   start of the stream (nothing is generated for them). The resumed run continues exactly where it
   stopped if the stream yields the same rows in the same order each time it is read (a seeded
@@ -31,7 +32,7 @@ from collections.abc import Iterator
 import datasets
 import torch
 
-from grpo_hf.data.batches import EXTRA_STREAM_SEED, ExtraPrompts, PromptChecker, is_stream
+from grpo_hf.data.batches import EXTRA_STREAM_SEED, ExtraPrompts, PromptChecker, data_order_seed, is_stream
 
 
 def stream_rows(source: datasets.IterableDataset, checker: PromptChecker, endless: bool) -> Iterator[dict]:
@@ -40,8 +41,8 @@ def stream_rows(source: datasets.IterableDataset, checker: PromptChecker, endles
         source.set_epoch(pass_index)
         read = 0
         for row in source:
+            yield checker(row, read, pass_index)
             read += 1
-            yield checker(row)
         if read == 0 and pass_index == 0:
             raise ValueError(f"{checker.name} is empty.")
         if read == 0:  # a one-shot stream (e.g. over a generator object) would loop here forever
@@ -92,7 +93,7 @@ def group_stream(
     checker = PromptChecker(name, needs_chat)
     if not training:
         return GroupStream(dataset, checker, args.num_generations_eval)
-    source = dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
+    source = dataset.shuffle(seed=data_order_seed(args)) if args.shuffle_dataset else dataset
     return GroupStream(
         source,
         checker,

@@ -27,6 +27,8 @@ from transformers import TrainerCallback
 STATE_FILE = "grpo_state.json"
 ROUND_FILE = "grpo_round_{}.pt"  # per process: the rest of a generation round saved mid-round
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# resume_from_checkpoint as the command line gives it (a string): these words are a bool, not a folder
+_RESUME_WORDS = {"true": True, "1": True, "false": False, "0": False, "": False}
 
 
 def write_state(folder: str, state: dict) -> None:
@@ -97,8 +99,14 @@ def read_checkpoint(
     return state, micro_step, rest
 
 
-def checkpoint_to_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | bool | None:
-    """`resume_from_checkpoint` as given, but True is the newest complete checkpoint in output_dir."""
+def checkpoint_to_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
+    """The checkpoint folder to resume from, None for none. True, or the command line's "true" / "1"
+    (`TrainingArguments.resume_from_checkpoint` is a string), is the newest complete checkpoint in
+    output_dir; False, "false", "0" and "" are none (case-insensitive); any other string is a folder."""
+    if isinstance(resume_from_checkpoint, str):
+        resume_from_checkpoint = _RESUME_WORDS.get(resume_from_checkpoint.lower(), resume_from_checkpoint)
+    if not resume_from_checkpoint:
+        return None
     if resume_from_checkpoint is not True:
         return resume_from_checkpoint
     folder = last_complete_checkpoint(output_dir)
@@ -125,9 +133,15 @@ class SaveOnInterrupt(TrainerCallback):
     `catching_signals()` installs the handlers around `train()` and always restores the previous
     ones, even when training raises. A second signal falls back to the previous handler, so an
     impatient Ctrl-C still interrupts at once.
+
+    With several processes, a signal may reach one of them only (`kill <pid>`), or reach them on
+    either side of a step's end. Saving is collective (every process writes its part, the gathers
+    of FSDP / ZeRO), so at each step's end the processes agree (`received_anywhere`: an all-reduce
+    of one number) and all stop after the same step, with one complete checkpoint.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
         self.received: int | None = None
         self._previous: dict[int, object] = {}
 
@@ -150,8 +164,16 @@ class SaveOnInterrupt(TrainerCallback):
             signal.raise_signal(signum)
         self.received = signum
 
+    def received_anywhere(self) -> bool:
+        """Whether any process has received a signal (every process must call it: a collective)."""
+        received = self.received is not None
+        if self.accelerator.num_processes == 1:
+            return received
+        flag = torch.tensor([float(received)], device=self.accelerator.device)  # (1,)
+        return self.accelerator.reduce(flag, "sum").item() > 0
+
     def on_step_end(self, args, state, control, **kwargs):
-        if self.received is not None:
+        if self.received_anywhere():
             control.should_save = True
             control.should_training_stop = True
 
