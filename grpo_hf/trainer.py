@@ -215,15 +215,8 @@ class GRPOTrainer(Trainer):
     # ---- Data ---------------------------------------------------------------------------------
 
     def _get_train_sampler(self, train_dataset: Dataset | None = None) -> Sampler:
-        args = self.args
-        return GroupSampler(
-            num_prompts=len(train_dataset if train_dataset is not None else self.train_dataset),
-            num_generations=args.num_generations,
-            prompts_per_batch=args.generation_batch_size // args.num_generations,
-            repeats=self.round_length,
-            seed=data_order_seed(args),
-            shuffle=args.shuffle_dataset,
-        )
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return GroupSampler.for_training(self.args, len(dataset), self.round_length)
 
     def get_train_dataloader(self):
         """One batch per micro-step: this process's slice of a whole generation batch."""
@@ -236,9 +229,7 @@ class GRPOTrainer(Trainer):
         )
 
     def _get_eval_sampler(self, eval_dataset: Dataset) -> Sampler:
-        return GroupSampler(
-            len(eval_dataset), self.args.num_generations_eval, 1, 1, data_order_seed(self.args)
-        )
+        return GroupSampler.for_evaluation(self.args, len(eval_dataset))
 
     def _get_dataloader(
         self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None

@@ -214,6 +214,18 @@ class GroupSampler(Sampler[int]):
         self.shuffle = shuffle
         self.epoch = 0
 
+    @classmethod
+    def for_training(cls, args, num_prompts: int, repeats: int) -> "GroupSampler":
+        """A `GRPOConfig`'s training order: generation batches of its size, each `repeats` times."""
+        prompts_per_batch = args.generation_batch_size // args.num_generations
+        seed = data_order_seed(args)
+        return cls(num_prompts, args.num_generations, prompts_per_batch, repeats, seed, args.shuffle_dataset)
+
+    @classmethod
+    def for_evaluation(cls, args, num_prompts: int) -> "GroupSampler":
+        """Evaluation: every prompt num_generations_eval times, one group at a time."""
+        return cls(num_prompts, args.num_generations_eval, 1, 1, data_order_seed(args))
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
