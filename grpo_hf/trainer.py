@@ -29,12 +29,12 @@ from collections.abc import Callable
 import torch
 from datasets import Dataset, IterableDataset
 from peft import PeftConfig
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 
-from grpo_hf import rollout
+from grpo_hf import masks, rollout
 from grpo_hf.advantages import aggregate_rewards, compute_advantages
 from grpo_hf.checkpoints import (
     NonFiniteGuard,
@@ -493,6 +493,14 @@ class GRPOTrainer(Trainer):
         if "kl" in means and self.model.training:
             self._round_kl.append(means["kl"])
         self.record_token_means(means, tokens)
+
+    get_off_policy_mask = staticmethod(masks.get_off_policy_mask)  # TRL's (B, 1) sequence mask
+
+    def get_high_entropy_mask(self, entropies: Tensor, mask: Tensor, threshold: float) -> Tensor:
+        """TRL's: (B, T) bool, loss tokens at or above the `threshold` entropy quantile over every process."""
+        return masks.get_high_entropy_mask(
+            entropies, mask, threshold, functools.partial(gather_ragged, self.accelerator)
+        )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
