@@ -502,6 +502,11 @@ class GRPOTrainer(Trainer):
             entropies, mask, threshold, functools.partial(gather_ragged, self.accelerator)
         )
 
+    @property
+    def entropy_coef(self) -> float:
+        """TRL's: the entropy coefficient now (use_adaptive_entropy: the controller's, even if unapplied)."""
+        return self.entropy_control.coef
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
