@@ -261,6 +261,12 @@ class RolloutArguments:
                 "change per_device_train_batch_size, steps_per_generation or num_generations."
             )
 
+    @property
+    def policy_moves_within_round(self) -> bool:
+        """The policy may move while a generation round is consumed (several passes over it, or
+        several optimizer steps per pass): its micro-batches need their old log-probs."""
+        return self.num_iterations > 1 or self.steps_per_generation > self.gradient_accumulation_steps
+
     def check_eval_batch(self) -> None:
         """Evaluation batches must hold whole groups too (the trainer also calls this, before
         loading the model, when it is given an eval_dataset)."""
