@@ -5,14 +5,14 @@
 Everything runs in bf16 where this CPU multiplies it natively (AVX-512-BF16 or AMX) and in float32
 elsewhere, as the trainer's precision='auto' would; "bf16" below reads "float32" there.
 
-- sampling: `rollout.sample_tokens` (inverse CDF, one uniform per row) against
+- sampling: `local.sample_tokens` (inverse CDF, one uniform per row) against
   `torch.multinomial(softmax)`, 16 rows of the default model's 49k vocabulary, ms per call;
 - decoding step: `decoding.LlamaDecoder` against the model's own forward (`TransformersDecoder`)
   on the bf16 generation copy of the default model, 16 rows (2 prompts x 8) after a 29-token
   prompt, ms per step;
 - decoding, finished rows out: the decoding steps of a round whose completions end as
   `completion_lengths` says (half at 48 tokens, half at 12 to 45), each row leaving the decoder
-  after its last token (`LlamaDecoder.keep`, as `rollout.generate` runs it) against every row
+  after its last token (`LlamaDecoder.keep`, as `local.generate` runs it) against every row
   decoded to the end, s per round;
 - decoding matmuls: every matmul of a decoding step (30 layers and the LM head, 16 rows) on
   weights reordered once into oneDNN's blocked layout (`decoding.BlockedLinear`) against

@@ -27,12 +27,13 @@ from collections.abc import Callable
 import torch
 from datasets import Dataset, IterableDataset
 from peft import PeftConfig
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
 from transformers.trainer_utils import rotate_checkpoints
 
-from grpo_hf.algorithm.advantages import aggregate_rewards, compute_advantages
+from grpo_hf.algorithm import masks
+from grpo_hf.algorithm.advantages import aggregate_rewards, batch_advantages
 from grpo_hf.algorithm.loss import adaptive_beta, dapo_normalizers, grpo_loss
 from grpo_hf.algorithm.masks import gather_ragged, policy_weights
 from grpo_hf.algorithm.sampler_correction import sampler_metrics
@@ -281,7 +282,14 @@ class GRPOTrainer(Trainer):
         scored = self._sample_and_score(rows)
         if args.dynamic_sampling and self.model.training:
             scored = self._dynamically_sampled(scored)
-        all_rewards, aggregated, all_advantages = self._advantages(scored.rewards_per_func)
+        all_rewards = self.accelerator.gather(scored.rewards_per_func)  # (N, F) every process's
+        aggregated, all_advantages = batch_advantages(
+            all_rewards,
+            self.reward_weights,
+            self.group_size,
+            args.multi_objective_aggregation,
+            args.scale_rewards,
+        )
         start = self.accelerator.process_index * len(scored.prompts)
         advantages = all_advantages[start : start + len(scored.prompts)]  # (B,) this process's rows
         self._record_round(scored, all_rewards, aggregated, all_advantages)
@@ -356,9 +364,7 @@ class GRPOTrainer(Trainer):
             any_active=self.generator.any_active,
         )
         if self.environments is not None:  # an abandoned call may still be running on its environment
-            self.environment_pool.discard(
-                [e for e, ep in zip(self.environments, episodes, strict=True) if ep.timed_out]
-            )
+            self.environment_pool.discard_timed_out(self.environments, episodes)
         counts = torch.tensor(episode_counts(episodes), device=self.accelerator.device)  # (4,)
         self.record(tool_metrics(self.accelerator.gather(counts).view(-1, 4).sum(dim=0).tolist()))
         return result, messages
@@ -413,10 +419,7 @@ class GRPOTrainer(Trainer):
 
     def needs_old_logps(self) -> bool:
         """Old log-probs differ from the current ones only if the policy moves within a round."""
-        args = self.args
-        return self.model.training and (
-            args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
-        )
+        return self.model.training and self.args.policy_moves_within_round
 
     def generate_completions(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int | None = None
@@ -427,16 +430,6 @@ class GRPOTrainer(Trainer):
             self.sampling if max_new_tokens is None else self.sampling.with_max_new_tokens(max_new_tokens)
         )
         return self.generator.generate(prompt_ids, prompt_mask, sampling, self.state.global_step)
-
-    def _advantages(self, rewards_per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every process's rewards (N, F), their aggregate (N,) and advantages (N,) (`advantages`)."""
-        args = self.args
-        all_rewards = self.accelerator.gather(rewards_per_func)  # (N, F)
-        weights = self.reward_weights.to(all_rewards.device)
-        aggregation, generations = args.multi_objective_aggregation, self.group_size
-        aggregated = aggregate_rewards(all_rewards, weights, generations, aggregation)  # (N,)
-        advantages = compute_advantages(aggregated, generations, args.scale_rewards, aggregation)  # (N,)
-        return all_rewards, aggregated, advantages
 
     # ---- Loss ---------------------------------------------------------------------------------
 
@@ -485,6 +478,18 @@ class GRPOTrainer(Trainer):
         if "kl" in means and self.model.training:
             self._round_kl.append(means["kl"])
         self.record_token_means(means, tokens)
+
+    get_off_policy_mask = staticmethod(masks.get_off_policy_mask)  # TRL's (B, 1) sequence mask
+
+    def get_high_entropy_mask(self, entropies: Tensor, mask: Tensor, threshold: float) -> Tensor:
+        """TRL's: (B, T) bool, loss tokens at or above the `threshold` entropy quantile over every process."""
+        gather = functools.partial(gather_ragged, self.accelerator)
+        return masks.get_high_entropy_mask(entropies, mask, threshold, gather)
+
+    @property
+    def entropy_coef(self) -> float:
+        """TRL's: the entropy coefficient now (use_adaptive_entropy: the controller's, even if unapplied)."""
+        return self.entropy_control.coef
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)

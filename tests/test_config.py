@@ -168,6 +168,52 @@ def test_steps_per_generation_derives_generation_batch_size(tmp_path):
     assert config.generation_batch_size == 12
 
 
+@pytest.mark.parametrize(
+    ("steps", "accumulation", "suggested"),
+    [
+        # A round of 2 micro-steps, steps of 3: step 1 = round 1 + the first half of round 2.
+        (2, 3, "1 or 3"),
+        # A round of 3, steps of 2: step 2 = the end of round 1 + the start of round 2.
+        (3, 2, "2 or 4"),
+        # TRL's accepted 4 and 3: step 2 = round 1's last micro-batch + two of round 2's.
+        (4, 3, "3 or 6"),
+        # A round of 3, steps of 4: step 1 = round 1 + a third of round 2.
+        (3, 4, "2 or 4"),
+    ],
+)
+def test_steps_that_would_straddle_rounds_are_refused_naming_both_settings(
+    tmp_path, steps, accumulation, suggested
+):
+    with pytest.raises(ValueError) as error:
+        make(
+            tmp_path, per_device_train_batch_size=4, num_generations=4, steps_per_generation=steps,
+            gradient_accumulation_steps=accumulation,
+        )  # fmt: skip
+    message = str(error.value)
+    assert f"steps_per_generation={steps} and gradient_accumulation_steps={accumulation}" in message
+    assert f"set steps_per_generation to {suggested}" in message
+    with pytest.raises(ValueError, match="generation_batch_size"):  # the same rule, by generation batch
+        make(
+            tmp_path, per_device_train_batch_size=4, num_generations=4, generation_batch_size=4 * steps,
+            gradient_accumulation_steps=accumulation,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("steps", "accumulation"),
+    [
+        (4, 2),  # two optimizer steps per round, each on two of its micro-batches
+        (2, 4),  # two whole rounds per optimizer step
+    ],
+)
+def test_steps_and_rounds_that_divide_one_another_are_accepted(tmp_path, steps, accumulation):
+    config = make(
+        tmp_path, per_device_train_batch_size=4, num_generations=4, steps_per_generation=steps,
+        gradient_accumulation_steps=accumulation,
+    )  # fmt: skip
+    assert (config.steps_per_generation, config.generation_batch_size) == (steps, 4 * steps)
+
+
 def test_num_generations_eval_defaults_to_num_generations(tmp_path):
     assert make(tmp_path, num_generations=4).num_generations_eval == 4
     assert make(tmp_path, num_generations=4, num_generations_eval=1).num_generations_eval == 1

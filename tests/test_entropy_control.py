@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grpo_hf import GRPOTrainer
 from grpo_hf.training.entropy_control import EntropyCoefficient
 
 
@@ -78,3 +79,14 @@ def test_state_round_trip():
     other, _ = controller(use_adaptive_entropy=True)
     other.load_state_dict({"entropy_coef": 0.25, "last_entropy": 0.1})
     assert (other.coef, other.applied()) == (0.25, 0.25)
+
+
+def test_the_trainers_entropy_coef_is_the_controllers_coefficient_applied_or_not():
+    """TRL's `trainer.entropy_coef`: fixed, the setting; adaptive, the controller's current value even
+    while the bonus is off (entropy 0.6 above the target 0.5: 0.01 - 0.005 = 0.005, applied 0)."""
+    fixed, _ = controller(entropy_coef=0.01)
+    assert GRPOTrainer.entropy_coef.fget(SimpleNamespace(entropy_control=fixed)) == 0.01
+    adaptive, _ = controller(entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=0.5)
+    adaptive.update(0.6)
+    assert GRPOTrainer.entropy_coef.fget(SimpleNamespace(entropy_control=adaptive)) == pytest.approx(0.005)
+    assert adaptive.applied() == 0.0

@@ -14,6 +14,7 @@ from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, length_reward, make_config
 
 from grpo_hf import GRPOTrainer
+from grpo_hf.algorithm.advantages import batch_advantages
 from grpo_hf.data.rollout import Rollout, completion_mask_after_eos
 from grpo_hf.episodes.environments import (
     EMPTY_PROMPT,
@@ -230,7 +231,10 @@ def test_reward_weights_weigh_the_reward_funcs_and_the_environment_counts_once(t
     assert [f.__name__ for f in trainer.reward_funcs] == ["two", "CounterEnv"]
     assert trainer.reward_weights.tolist() == [0.5, 1.0]
     rewards_per_func = torch.tensor([[2.0, 3.0], [2.0, 0.0], [2.0, 1.0], [2.0, float("nan")]])
-    _, rewards, _ = trainer._advantages(rewards_per_func)  # sum_then_normalize: the weighted sum
+    args = trainer.args
+    rewards, _ = batch_advantages(
+        rewards_per_func, trainer.reward_weights, 2, args.multi_objective_aggregation, args.scale_rewards
+    )  # the weighted sum
     assert rewards.tolist() == [4.0, 1.0, 2.0, 1.0]  # 0.5 * 2 + 3, 0.5 * 2 + 0, ..., 0.5 * 2 + (None: 0)
 
 

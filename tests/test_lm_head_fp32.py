@@ -3,11 +3,13 @@
 import pytest
 import torch
 from peft import LoraConfig
-from tiny_models import tiny_gpt2, tiny_llama, tiny_mistral, tiny_tokenizer
+from tiny_models import LLAMA_LIKE, tiny_gpt2, tiny_llama, tiny_mistral, tiny_tokenizer
 from trainer_helpers import chat_dataset, length_reward, make_config
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from grpo_hf import GRPOTrainer
-from grpo_hf.engine import logprobs
+from grpo_hf.engine import cpu, local, logprobs
+from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.models.policy import Float32Head, cast_lm_head_to_fp32
 
@@ -107,17 +109,58 @@ def test_unfused_pass_of_other_models_goes_through_the_float32_head():
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_tied_or_adapted_heads_are_refused_with_the_setting_named(tmp_path):
-    with pytest.raises(ValueError, match="cast_lm_head_to_fp32.*tie_word_embeddings"):
-        cast_lm_head_to_fp32(tiny_gpt2())
-    with pytest.raises(ValueError, match="cast_lm_head_to_fp32.*tie_word_embeddings"):
-        GRPOTrainer(
-            model=tiny_gpt2(),
-            reward_funcs=length_reward,
-            args=make_config(tmp_path, cast_lm_head_to_fp32=True),
-            train_dataset=chat_dataset(),
-            processing_class=tiny_tokenizer(),
-        )
+def tied_llama() -> LlamaForCausalLM:
+    """tiny_llama with its LM head tied to its input embedding (SmolLM2's, Gemma's layout)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=259, eos_token_id=2, bos_token_id=1, tie_word_embeddings=True, **LLAMA_LIKE
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("build", [tied_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_a_tied_head_computes_in_float32_and_keeps_the_shared_weight(build):
+    """bf16 weights: the head becomes a Float32Head, still the embedding's very Parameter in bf16 (TRL
+    casts it, and the embedding with it); its output is float32, equal to a float64 product on the
+    exact upcast, while the embedding still hands bf16 to the layers."""
+    model = build().to(torch.bfloat16)
+    shared = model.get_input_embeddings().weight
+    assert model.get_output_embeddings().weight is shared
+    cast_lm_head_to_fp32(model)
+    head = model.get_output_embeddings()
+    assert type(head) is Float32Head and head.weight is shared and shared.dtype == torch.bfloat16
+    assert model.get_input_embeddings()(torch.tensor([[5, 6]])).dtype == torch.bfloat16
+    hidden = torch.randn(3, 32).bfloat16()  # (3, E)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = head(hidden)  # (3, V)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), hidden.double() @ shared.double().T, rtol=1e-6, atol=1e-6)
+
+
+def test_the_decoding_loop_multiplies_a_tied_head_in_float32(monkeypatch):
+    """The bf16 generation copy of a cast, tied Llama keeps the shared weight in bf16 (the embedding's
+    dtype); LlamaDecoder still takes the LM head's product on a float32 weight, as for an untied head."""
+    dtypes = {}
+    original = cpu.BlockedLinear.__init__
+
+    def spy(self, weight, rows):
+        dtypes[tuple(weight.shape)] = weight.dtype
+        original(self, weight, rows)
+
+    monkeypatch.setattr(cpu.BlockedLinear, "__init__", spy)
+    policy = tied_llama()
+    cast_lm_head_to_fp32(policy)
+    copy = GenerationCopy(policy, torch.bfloat16).model
+    assert (
+        copy.lm_head.weight is copy.model.embed_tokens.weight and copy.lm_head.weight.dtype == torch.bfloat16
+    )
+    config = GenerationConfig(do_sample=False, max_new_tokens=3, pad_token_id=0, eos_token_id=[2])
+    local.generate(copy, IDS, torch.ones_like(IDS), config, backend="llama")
+    assert dtypes[(259, 32)] == torch.float32  # the head (V, E)
+    assert dtypes[(32, 32)] == torch.bfloat16  # o_proj: the rest of the copy stays bf16
+
+
+def test_an_adapted_head_is_refused_with_the_setting_named(tmp_path):
     with pytest.raises(ValueError, match="cast_lm_head_to_fp32.*lm_head"):
         GRPOTrainer(
             model=tiny_llama(),
@@ -158,3 +201,29 @@ def test_training_with_a_float32_head_under_bf16(tmp_path, monkeypatch):
     assert dtypes and set(dtypes) == {torch.float32}  # reference and policy passes
     assert not torch.equal(trainer.model.lm_head.weight, before)
     assert trainer.state.log_history[0]["completions/mean_length"] > 0
+
+
+def test_training_a_tied_head_under_bf16(tmp_path, monkeypatch):
+    """--bf16 on a float32 tied Llama (TRL casts it too): every scoring pass computes the head in
+    float32; the head, which is the embedding, trains and stays tied to it."""
+    dtypes = []
+    original = logprobs.head_token_logps
+    monkeypatch.setattr(
+        logprobs,
+        "head_token_logps",
+        lambda *args, **kwargs: dtypes.append(args[5]) or original(*args, **kwargs),
+    )
+    trainer = GRPOTrainer(
+        model=tied_llama(),
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, cast_lm_head_to_fp32=True, bf16=True, beta=0.04, max_steps=1),
+        train_dataset=chat_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+    for model in (trainer.model, trainer.ref_model, trainer.generator.copy.model):
+        assert type(model.lm_head) is Float32Head and model.lm_head.weight is model.model.embed_tokens.weight
+    before = trainer.model.lm_head.weight.detach().clone()
+    trainer.train()
+    assert dtypes and set(dtypes) == {torch.float32}  # reference and policy passes
+    assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight
+    assert not torch.equal(trainer.model.lm_head.weight, before)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from loss_settings import loss_settings
 
+from grpo_hf import GRPOTrainer
 from grpo_hf.algorithm.loss import LossSettings
 from grpo_hf.algorithm.masks import gather_ragged, get_high_entropy_mask, get_off_policy_mask, policy_weights
 from grpo_hf.algorithm.sampler_correction import SamplerCorrection
@@ -172,3 +173,62 @@ def test_policy_weights_use_the_sampler_log_probs_where_recorded():
     recorded = policy_weights(args, logps, ENTROPIES, logps, inputs | {"sampler_logps": logps + 1})
     assert recorded["off_policy_mask"].flatten().tolist() == [1.0, 0.0, 1.0]  # row 2: no loss token, mean 0
     torch.testing.assert_close(recorded["sampler_weights"], torch.exp(-MASK.float()))
+
+
+# ---- TRL's public methods on the trainer -------------------------------------------------------
+
+
+def test_trainer_off_policy_mask_is_trls_static_method_with_the_loss_values():
+    """TRL's example: threshold 1, mean log(pi_sampler / pi) over 4 tokens 2, 0.5, 2 with advantages 1,
+    -1, -1: kept (A >= 0), kept (0.5 <= 1), dropped; (B, 1) in the mask's dtype, as TRL returns it.
+    The loss gets the same mask from `policy_weights`."""
+    mask = torch.ones(3, 4)  # (B, T)
+    advantages = torch.tensor([[1.0], [-1.0], [-1.0]])  # (B, 1)
+    logps = torch.tensor([[-2.0], [-0.5], [-2.0]]).expand(3, 4)  # (B, T)
+    sampler = torch.zeros(3, 4)
+    keep = GRPOTrainer.get_off_policy_mask(advantages, logps, sampler, mask, 1.0)
+    assert keep.dtype == torch.float32 and keep.tolist() == [[1.0], [1.0], [0.0]]
+    as_ints = GRPOTrainer.get_off_policy_mask(advantages, logps, sampler, mask.long(), 1.0)
+    assert as_ints.dtype == torch.long and as_ints.tolist() == [[1], [1], [0]]
+    inputs = {"completion_mask": mask, "advantages": advantages.view(-1), "sampler_logps": sampler}
+    internal = policy_weights(settings(off_policy_mask_threshold=1.0), None, logps, mask, logps, inputs)
+    assert torch.equal(internal["off_policy_mask"], keep)
+
+
+TRL_ENTROPIES = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.7, 0.8, 0.9, 1.0, 1.1, 1.2]])  # (B, T)
+TRL_MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])  # 1.1 and 1.2 are padding
+
+
+@pytest.mark.parametrize(
+    ("threshold", "kept"),
+    [
+        # 10 loss tokens 0.1 .. 1.0; quantile 0.8 at position 7.2: 0.8 + 0.2 x 0.1 = 0.82 -> 0.9, 1.0
+        (0.8, [[0, 0, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0]]),
+        # quantile 0.5 at position 4.5: 0.55 -> 0.6 .. 1.0
+        (0.5, [[0, 0, 0, 0, 0, 1], [1, 1, 1, 1, 0, 0]]),
+        (0.0, [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]]),  # every loss token
+        (1.0, [[0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0]]),  # the highest loss token, 1.0
+    ],
+)
+def test_trainer_high_entropy_mask_is_trls_method_with_the_loss_values(threshold, kept):
+    """TRL's method and its test's values, called as TRL's test calls it (on an object holding only
+    an accelerator); the loss's mask from `policy_weights` (top_entropy_quantile = 1 - threshold) is
+    the same."""
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1))
+    mask = GRPOTrainer.get_high_entropy_mask(trainer, TRL_ENTROPIES, TRL_MASK, threshold)
+    assert mask.dtype == torch.bool and mask.int().tolist() == kept
+    inputs = {"completion_mask": TRL_MASK, "advantages": torch.zeros(2)}
+    args = settings(top_entropy_quantile=1.0 - threshold)
+    zeros = torch.zeros(2, 6)
+    if threshold > 0:  # top_entropy_quantile 1 turns the mask off
+        assert torch.equal(
+            policy_weights(args, None, zeros, TRL_ENTROPIES, zeros, inputs)["entropy_mask"], mask
+        )
+
+
+def test_trainer_high_entropy_mask_takes_the_quantile_over_every_process():
+    """A second process holds 0.8, 0.9, 1.0 (as in test_high_entropy_quantile_is_over_every_process):
+    the trainer's method gathers them through its accelerator, cut 0.6."""
+    trainer = SimpleNamespace(accelerator=TwoProcesses(torch.tensor([0.8, 0.9, 1.0])))
+    mask = GRPOTrainer.get_high_entropy_mask(trainer, ENTROPIES, MASK, 0.5)
+    assert mask.int().tolist() == [[0, 0, 0], [0, 1, 0], [0, 0, 0]]

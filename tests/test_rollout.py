@@ -54,6 +54,47 @@ def test_rows_that_drew_eos_leave_the_decoder(monkeypatch):
     assert not result.truncated.any()
 
 
+class FixedLogits:
+    """A decoder whose next-token distribution is always softmax(`logits`)."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits, self.rows = logits, 0
+
+    def prefill(self, prompt_ids, prompt_mask):
+        self.rows = prompt_ids.shape[0]
+        return self.logits.expand(self.rows, -1)  # (B, V)
+
+    def __call__(self, token):
+        return self.logits.expand(len(token), -1)
+
+    def keep(self, rows):
+        pass
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [{"top_k": 2}, {"top_p": 0.6}, {"min_p": 0.6}],
+    ids=["top_k", "top_p", "min_p"],
+)
+def test_sampler_logps_are_those_of_the_truncated_distribution(monkeypatch, knobs):
+    """4 tokens with p = (0.4, 0.3, 0.2, 0.1). top_k=2 keeps the two likeliest; top_p=0.6 too (0.4 < 0.6
+    <= 0.4 + 0.3); min_p=0.6 keeps p >= 0.6 x 0.4 = 0.24: the same two. The sampler draws from
+    (0.4, 0.3) / 0.7, so a drawn token's recorded log-prob is log(p / 0.7), not log p: the
+    distribution actually sampled, as vLLM's processed_logprobs."""
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    monkeypatch.setattr(local, "decoder_for", lambda *args: FixedLogits(p.log()))
+    settings = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0}
+    config = local.generation_config(
+        Sampling(max_new_tokens=1, pad_token_id=0, eos_token_ids=[3], **(settings | knobs))
+    )
+    ids = torch.ones(200, 2, dtype=torch.long)  # (B, P)
+    torch.manual_seed(0)
+    result = local.generate(torch.nn.Linear(1, 1), ids, torch.ones_like(ids), config)
+    drawn = result.completion_ids[:, 0]  # (B,)
+    assert set(drawn.tolist()) == {0, 1}  # both kept tokens drawn, never a cut one
+    torch.testing.assert_close(result.sampler_logps[:, 0], torch.log(p[drawn] / 0.7))
+
+
 @pytest.mark.parametrize("block", [2, 3, 256], ids=["block-2", "block-3", "one-block"])
 def test_sample_tokens_follows_the_softmax(block):
     torch.manual_seed(0)

@@ -1,6 +1,7 @@
 """Importance sampling against the sampler: the four modes by hand, which settings apply to which
 backend, TRL's checks and warnings, and the metrics."""
 
+import logging
 import math
 
 import pytest
@@ -41,6 +42,15 @@ def test_an_unscored_token_counts_as_ratio_one():
     sampler[0, 2] = math.nan  # 2 x 0.5 x 1 = 1 for the row
     weights = sampler_is_weights(OLD, sampler, MASK, SamplerCorrection("sequence_mask", None, 3.0))
     torch.testing.assert_close(weights[0], torch.ones(3))
+
+
+def test_under_truncation_the_weight_is_the_mass_the_truncation_kept():
+    """top_k=2 on p = (0.4, 0.3, 0.2, 0.1): the sampler draws from (0.4, 0.3) / 0.7 and records log(p / 0.7)
+    (test_rollout); pi_old is p over the whole vocabulary. A drawn token's rho = p / (p / 0.7) = 0.7: the
+    importance weight from the distribution sampled to the policy (the cut 0.3 is never drawn)."""
+    p = torch.tensor([[0.4, 0.3]])  # (1, T) the two tokens drawn
+    weights = sampler_is_weights(p.log(), (p / 0.7).log(), torch.ones(1, 2), SamplerCorrection("token_mask"))
+    torch.testing.assert_close(weights, torch.tensor([[0.7, 0.7]]))
 
 
 def test_metrics_by_hand():
@@ -156,3 +166,24 @@ def test_vllm_errors_name_the_setting(tmp_path):
     with_vllm(
         config(tmp_path, loss_type="vespo", vllm_importance_sampling_correction=False)
     )  # no weights: fine
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "cut"),
+    [
+        ({"top_k": 2}, "top_k"),
+        ({"top_p": 0.9, "min_p": 0.1}, "top_p / min_p"),
+        ({"generation_kwargs": {"top_k": 5}}, "top_k"),  # generation_kwargs override the fields
+        ({"use_vllm": True, "vllm_mode": "server", "top_p": 0.9}, "top_p"),
+        ({}, None),
+        ({"min_p": 0.0, "generation_kwargs": {"top_k": -1}}, None),  # vLLM's top_k -1 is off
+    ],
+)
+def test_truncated_sampling_is_warned_about_whatever_the_backend(tmp_path, caplog, kwargs, cut):
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.config.generation_args"):
+        config(tmp_path, **kwargs)
+    warned = "truncate the sampling distribution" in caplog.text
+    assert warned == (cut is not None)
+    if cut:
+        assert f"{cut} truncate the sampling distribution" in caplog.text
+        assert "probability mass the truncation kept" in caplog.text

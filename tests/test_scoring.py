@@ -231,5 +231,11 @@ def test_completions_without_any_reward_are_warned_about_and_stay_nan(caplog):
     with caplog.at_level("WARNING", logger="grpo_hf.rewards.scoring"):
         rewards, *_ = score_logged([only_long, lambda completions, **kw: [None] * len(completions)])
     assert rewards[:2].isnan().all() and rewards[2:, 0].tolist() == [3.0, 4.0]
-    assert "All reward functions returned None for 2 of 4 completions" in caplog.text
-    assert "completion 'a'" in caplog.text and "advantage 0" in caplog.text
+    # TRL's words, naming the first such completion's keyword arguments, then how many and what follows
+    assert (
+        "All reward functions returned None for the following kwargs:\n"
+        "{'answer': '1', 'prompt': 'p', 'completion': 'a'}\n"
+        "Please ensure that at least one reward function returns a valid reward.\n"
+        "2 of 4 completions got no reward."
+    ) in caplog.text
+    assert "advantage 0" in caplog.text

@@ -138,6 +138,7 @@ def test_entropy_bonus_and_policy_loss_as_logged(tmp_path):
     """grpo's loss with entropy_coef 0.05 and one micro-batch per step: the logged loss is policy_loss
     minus 0.05 x the logged entropy (the micro-batch's token mean), not minus a per-sequence mean."""
     trainer = recorded_run(tmp_path, loss_type="grpo", entropy_coef=0.05, gradient_accumulation_steps=1)
+    assert trainer.entropy_coef == 0.05  # TRL's attribute: the fixed coefficient
     for logged in trainer.state.log_history[:2]:
         assert logged["entropy_coef"] == pytest.approx(0.05)  # through a float32 reduction
         assert logged["loss"] == pytest.approx(logged["policy_loss"] - 0.05 * logged["entropy"], rel=1e-5)
@@ -171,10 +172,13 @@ def test_adaptive_entropy_survives_a_checkpoint_resume(tmp_path):
     assert [log["entropy_coef"] for log in logs] == pytest.approx([0.01, 0.02, 0.03])
     for log, applied in zip(logs, [0.0, 0.01, 0.02], strict=True):
         assert log["loss"] == pytest.approx(log["policy_loss"] - applied * log["entropy"], rel=1e-5, abs=1e-7)
+    assert straight.entropy_coef == pytest.approx(0.03)  # TRL's attribute: the controller's coefficient
     run_dir = tmp_path / "interrupted"
-    adaptive_run(run_dir, stop=1)
+    stopped = adaptive_run(run_dir, stop=1)
+    assert stopped.entropy_coef == pytest.approx(0.01)  # the controller's after step 1
     assert read_state(str(run_dir / "checkpoint-1"))["entropy"]["entropy_coef"] == pytest.approx(0.01)
     resumed = adaptive_run(run_dir, resume=str(run_dir / "checkpoint-1"))
+    assert resumed.entropy_coef == pytest.approx(0.03)
     # the history holds step 1's record from the checkpoint, then the resumed steps: the same values
     again = [log for log in resumed.state.log_history if "entropy_coef" in log]
     assert [(log["entropy_coef"], log["loss"]) for log in again] == [

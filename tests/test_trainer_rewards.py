@@ -149,7 +149,11 @@ def test_all_none_rewards_warn_and_those_completions_get_advantage_zero(tmp_path
     trainer = build(tmp_path, length_unless_first_prompt, beta=0.0)
     with caplog.at_level(logging.WARNING, logger="grpo_hf.rewards.scoring"):
         advantages = first_round(trainer)["advantages"]
-    assert "All reward functions returned None for 4 of 8 completions" in caplog.text
+    assert (
+        "All reward functions returned None for the following kwargs:\n"
+        "{'answer': '0', 'prompt': [{'role': 'user', 'content': 'What is 0 + 0?'}], 'completion': ["
+    ) in caplog.text  # TRL's words, the first unscored row's keyword arguments
+    assert "Please ensure that at least one reward function returns a valid reward.\n4 of 8" in caplog.text
     s = math.sqrt(5 / 3) + 1e-4
     expected = torch.tensor([0.0] * 4 + [-1.5 / s, -0.5 / s, 0.5 / s, 1.5 / s])  # (8,) prompt 0 unscored
     torch.testing.assert_close(advantages, expected, rtol=1e-6, atol=1e-6)

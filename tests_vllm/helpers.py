@@ -131,6 +131,28 @@ def assert_sampler_logps_match(trainer: GRPOTrainer, temperature: float, version
     assert torch.all(result.sampler_logps[~active] == 0)
 
 
+def assert_top_k_sampler_logps_are_renormalised(trainer: GRPOTrainer, top_k: int, version: int) -> None:
+    """Under top_k, vLLM's processed_logprobs are those of the distribution it sampled: our pass's
+    full-vocabulary log-prob of each drawn token minus the log of the probability its position's k
+    likeliest tokens hold, log(p / kept mass), within 1e-3, as our decoder records them (test_rollout)."""
+    ids, mask = prompts(trainer, [0, 0, 1, 1, 2, 2])
+    sampling = dataclasses.replace(trainer.sampling, temperature=1.0, top_k=top_k)
+    result = trainer.generator.generate(ids, mask, sampling, policy_version=version)
+    width = result.completion_ids.shape[1]
+    positions = (result.attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, P + C) left padding
+    with torch.no_grad():
+        logits = trainer.model(
+            input_ids=result.input_ids, attention_mask=result.attention_mask, position_ids=positions
+        ).logits
+    scores = logits[:, -width - 1 : -1].float().log_softmax(dim=-1)  # (B, C, V) whole vocabulary
+    full = scores.gather(2, result.completion_ids.unsqueeze(2)).squeeze(2)  # (B, C)
+    kept = scores.topk(top_k, dim=-1).values.logsumexp(dim=-1)  # (B, C) log of the kept mass
+    active = result.completion_mask.bool()
+    gap = (result.sampler_logps - (full - kept)).abs()[active]
+    assert gap.max() < 1e-3, f"max |vLLM - log(p / kept mass)| = {gap.max():.2e}"
+    assert (-kept[active]).max() > 0.01  # mass was cut somewhere: log p alone would be off there
+
+
 def assert_sync_reaches_the_engine(
     trainer: GRPOTrainer, model: torch.nn.Module, names: tuple[str, ...]
 ) -> None:

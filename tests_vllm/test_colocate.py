@@ -11,6 +11,7 @@ from helpers import (
     assert_sampler_logps_match,
     assert_seeded,
     assert_sync_reaches_the_engine,
+    assert_top_k_sampler_logps_are_renormalised,
     assert_two_turn_tool_episodes,
     make_trainer,
 )
@@ -33,6 +34,10 @@ def test_the_engine_is_in_process_and_training_keeps_its_threads(trainer):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampler_logps_equal_our_logprob_pass(trainer, temperature):
     assert_sampler_logps_match(trainer, temperature, version=int(temperature * 10))
+
+
+def test_sampler_logps_under_top_k_are_the_sampled_distributions(trainer):
+    assert_top_k_sampler_logps_are_renormalised(trainer, top_k=2, version=3)
 
 
 def test_runs_are_reproducible(trainer):

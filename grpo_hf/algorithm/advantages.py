@@ -117,6 +117,20 @@ def compute_advantages(
     return group_advantages(aggregated, aggregated.numel(), "group")  # (N,)
 
 
+def batch_advantages(
+    rewards_per_func: torch.Tensor,
+    weights: torch.Tensor,
+    num_generations: int,
+    aggregation: str,
+    scale_rewards: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every process's (N, F) rewards -> their aggregate (N,) and advantages (N,), as
+    `multi_objective_aggregation` and `scale_rewards` say."""
+    weights = weights.to(rewards_per_func.device)
+    aggregated = aggregate_rewards(rewards_per_func, weights, num_generations, aggregation)  # (N,)
+    return aggregated, compute_advantages(aggregated, num_generations, scale_rewards, aggregation)
+
+
 def group_std_is_zero(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """(groups,) bool: the group's rewards (NaN left out) are all equal, so it teaches nothing."""
     grouped = rewards.view(-1, num_generations)  # (groups, G)

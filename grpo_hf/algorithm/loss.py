@@ -210,9 +210,10 @@ def dapo_normalizers(token_counts: torch.Tensor, per_step: int) -> list[torch.Te
     gradient_accumulation_steps and DDP averages over processes, so a micro-batch feeding an
     optimizer step with n active tokens (summed over that step's micro-batches and every process)
     divides its token sum by n / (P * GA). With several optimizer steps per round
-    (steps_per_generation = k * GA) each step has its own n; with one round per several steps (GA a
+    (steps_per_generation = k * GA) each step has its own n; with several rounds per step (GA a
     multiple of steps_per_generation, `per_step` = S) n is the round's, and the step's gradient is
-    the mean of its rounds' token means. In evaluation (one part per process, `per_step` = 1) n / P
+    the mean of its rounds' token means. No other pair is accepted (steps would straddle rounds;
+    `config.rollout_args.check_steps_fit_rounds`). In evaluation (one part per process, `per_step` = 1) n / P
     makes the mean of the processes' losses the global token mean.
     """
     processes, parts = token_counts.shape

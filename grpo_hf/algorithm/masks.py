@@ -32,14 +32,15 @@ def get_off_policy_mask(
     mask: torch.Tensor,
     off_policy_threshold: float,
 ) -> torch.Tensor:
-    """(B, 1): 1 keeps a sequence, 0 drops it (A < 0 and mean_t(log pi_sampler - log pi) > threshold).
+    """(B, 1) in `mask`'s dtype, as TRL's: 1 keeps a sequence, 0 drops it (A < 0 and
+    mean_t(log pi_sampler - log pi) > threshold).
 
     advantages (B,) or (B, 1); the rest (B, T). A NaN sampler log-prob counts as no divergence.
     """
     divergence = torch.nan_to_num(sampling_per_token_logps - per_token_logps.detach(), nan=0.0)  # (B, T)
     mean = (divergence * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     keep = (advantages.view(-1, 1) >= 0) | (mean <= off_policy_threshold)  # (B, 1)
-    return keep.to(per_token_logps.dtype)
+    return keep.to(mask.dtype)
 
 
 def get_high_entropy_mask(

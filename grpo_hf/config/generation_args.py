@@ -176,6 +176,7 @@ class GenerationBackendArguments:
             self._check_vllm()
         else:
             self._check_transformers_generation()
+        self._warn_truncated_sampling()
 
     def _check_transformers_generation(self) -> None:
         unknown = sorted(set(self.generation_kwargs) - set(GenerationConfig().to_dict()))
@@ -192,6 +193,22 @@ class GenerationBackendArguments:
         if self.vllm_enable_sleep_mode or self.vllm_structured_outputs_regex is not None:
             logger.warning(
                 "vllm_enable_sleep_mode / vllm_structured_outputs_regex apply with use_vllm=True only."
+            )
+
+    def _warn_truncated_sampling(self) -> None:
+        """top_p / top_k / min_p (as set, or in generation_kwargs) truncate what every backend samples from."""
+        knobs = {"top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
+        knobs |= {name: value for name, value in self.generation_kwargs.items() if name in knobs}
+        cut = [k for k, v in knobs.items() if v is not None and (v < 1 if k == "top_p" else v > 0)]
+        if cut:
+            logger.warning(
+                f"{' / '.join(cut)} truncate the sampling distribution. The sampler's log-probs (grpo-hf's decoder, "
+                "vLLM's with logprobs_mode='processed_logprobs') are those of the truncated, renormalised "
+                "distribution actually sampled, the policy's are over the whole vocabulary: on each token pi_old / "
+                "pi_sampler is the probability mass the truncation kept (<= 1) times the sampler / trainer "
+                "mismatch. The importance weights (vllm_importance_sampling_correction, sampler_is_cap) so correct "
+                "for the truncation too (the sequence modes multiply it over a completion's tokens), and "
+                "off_policy_mask_threshold and sampler/ratio_* count it."
             )
 
     def _check_vllm(self) -> None:
@@ -257,14 +274,6 @@ class GenerationBackendArguments:
                     f"vllm_server_base_url={self.vllm_base_url!r} is not an http(s) URL; use e.g. "
                     "'http://localhost:8000'."
                 )
-        if self.top_p < 1 or self.top_k > 0:
-            logger.warning(
-                "top_p < 1 / top_k > 0 with vLLM: the sampler's log-probs (logprobs_mode='processed_logprobs') "
-                "are those of the truncated, renormalised distribution, the policy's are not. On each token "
-                "the ratio pi_old / pi_sampler is then the probability mass the truncation kept at that step "
-                "(<= 1) times the sampler / trainer mismatch, so sampler/ratio_* and the importance-sampling "
-                "correction also count the truncation."
-            )
 
     @property
     def vllm_base_url(self) -> str:

@@ -129,7 +129,8 @@ class GRPOConfig(TrainingArguments, GenerationBackendArguments, LossArguments, R
         default=False,
         metadata={
             "help": "Compute the LM head of the policy, the reference and the generation copy in float32 "
-            "(ScaleRL, arXiv 2510.13786); only for models whose LM head is not tied to the input embeddings."
+            "(ScaleRL, arXiv 2510.13786). A head tied to the input embeddings keeps their shared weight's dtype "
+            "(float32 for a policy loaded in float32) and computes in float32 on it."
         },
     )
 

@@ -77,7 +77,10 @@ class RolloutArguments:
     )
     steps_per_generation: int | None = field(
         default=None,
-        metadata={"help": "Micro-steps fed by one generation round; default gradient_accumulation_steps."},
+        metadata={
+            "help": "Micro-steps fed by one generation round; default gradient_accumulation_steps, of which it "
+            "must be a multiple or a divisor."
+        },
     )
     generation_batch_size: int | None = field(
         default=None,
@@ -262,15 +265,7 @@ class RolloutArguments:
             self.steps_per_generation = self.gradient_accumulation_steps
         if self.steps_per_generation < 1:
             raise ValueError("steps_per_generation must be >= 1.")
-        if (
-            self.steps_per_generation > self.gradient_accumulation_steps
-            and self.steps_per_generation % self.gradient_accumulation_steps
-        ):
-            raise ValueError(
-                f"steps_per_generation={self.steps_per_generation} must be a multiple of "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps} (each optimizer step then "
-                "takes whole micro-batches of one round); change steps_per_generation or generation_batch_size."
-            )
+        check_steps_fit_rounds(self.steps_per_generation, self.gradient_accumulation_steps)
         self.generation_batch_size = per_round * self.steps_per_generation
         if self.generation_batch_size % self.num_generations:
             raise ValueError(
@@ -279,6 +274,12 @@ class RolloutArguments:
                 f"{self.steps_per_generation}) must be divisible by num_generations={self.num_generations}; "
                 "change per_device_train_batch_size, steps_per_generation or num_generations."
             )
+
+    @property
+    def policy_moves_within_round(self) -> bool:
+        """The policy may move while a generation round is consumed (several passes over it, or
+        several optimizer steps per pass): its micro-batches need their old log-probs."""
+        return self.num_iterations > 1 or self.steps_per_generation > self.gradient_accumulation_steps
 
     def check_eval_batch(self) -> None:
         """Evaluation batches must hold whole groups too (the trainer also calls this, before
@@ -291,3 +292,21 @@ class RolloutArguments:
                 f"num_generations_eval={self.num_generations_eval} (default num_generations); change "
                 "per_device_eval_batch_size or num_generations_eval."
             )
+
+
+def check_steps_fit_rounds(steps_per_generation: int, accumulation: int) -> None:
+    """An optimizer step takes whole micro-batches of one generation round (steps_per_generation a
+    multiple of gradient_accumulation_steps) or whole rounds (the other way round). Other pairs (TRL
+    takes them) make optimizer steps straddle rounds, and a step's loss is a token mean neither over
+    its own tokens nor over whole rounds (`loss.dapo_normalizers`)."""
+    low, high = sorted((steps_per_generation, accumulation))
+    if high % low == 0:
+        return
+    divisor = max(d for d in range(1, steps_per_generation + 1) if accumulation % d == 0)
+    multiple = -(-steps_per_generation // accumulation) * accumulation
+    raise ValueError(
+        f"steps_per_generation={steps_per_generation} and gradient_accumulation_steps={accumulation} must "
+        "divide one another, so that an optimizer step takes whole micro-batches of one generation round or "
+        f"whole rounds; set steps_per_generation to {divisor} or {multiple} (generation_batch_size: that times "
+        "per_device_train_batch_size x processes), or change gradient_accumulation_steps."
+    )

@@ -27,7 +27,7 @@ from torch import nn
 
 from grpo_hf.engine.attention import bias_from, causal_allowed, grouped_attention
 from grpo_hf.engine.cpu import BlockedLinear, BlockedWeights
-from grpo_hf.engine.logprobs import position_ids_from_mask, prefill_prompts, unique_rows
+from grpo_hf.engine.logprobs import Float32Head, position_ids_from_mask, prefill_prompts, unique_rows
 
 
 class TransformersDecoder:
@@ -112,8 +112,8 @@ def _feed_forward(
 _BLOCKED_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, BlockedWeights]" = weakref.WeakKeyDictionary()
 
 
-def _matmul_weights(model: nn.Module) -> list[tuple[torch.Tensor, ...]]:
-    """The weights of a decoding step's matmuls: per layer q/k/v, o, gate/up, down; then the LM head."""
+def _matmul_weights(model: nn.Module, head: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """The weights of a decoding step's matmuls: per layer q/k/v, o, gate/up, down; then the LM head's."""
     groups = []
     for layer in model.model.layers[: model.config.num_hidden_layers]:
         attention, mlp = layer.self_attn, layer.mlp
@@ -123,7 +123,7 @@ def _matmul_weights(model: nn.Module) -> list[tuple[torch.Tensor, ...]]:
             (mlp.gate_proj.weight, mlp.up_proj.weight),
             (mlp.down_proj.weight,),
         ]
-    return [*groups, (model.lm_head.weight,)]
+    return [*groups, (head,)]
 
 
 class LlamaDecoder:
@@ -145,14 +145,15 @@ class LlamaDecoder:
         self.eps = config.rms_norm_eps
         self.embed = model.model.embed_tokens.weight
         self.final_norm = model.model.norm.weight
-        self.head_dtype = model.lm_head.weight.dtype  # float32 with cast_lm_head_to_fp32
+        head = model.lm_head  # a Float32Head (cast_lm_head_to_fp32) multiplies in float32, tied or not
+        self.head_weight = head.weight.float() if isinstance(head, Float32Head) else head.weight  # (V, E)
 
     @torch.inference_mode()
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         """Run the (B, P) left-padded prompts (each distinct one once); (B, V) float32 next-token logits."""
         model, (rows, prompt_length) = self.model, prompt_ids.shape
         blocked = _BLOCKED_WEIGHTS.setdefault(model, BlockedWeights())
-        *matmuls, self.lm_head = blocked.reorder(_matmul_weights(model), rows)
+        *matmuls, self.lm_head = blocked.reorder(_matmul_weights(model, self.head_weight), rows)
         self.layers = [  # norm, q/k/v, o, norm, gate/up, down
             (layer.input_layernorm.weight, *matmuls[4 * i : 4 * i + 2])
             + (layer.post_attention_layernorm.weight, *matmuls[4 * i + 2 : 4 * i + 4])
@@ -180,9 +181,9 @@ class LlamaDecoder:
         hidden = F.embedding(prompt_ids[first], self.embed)  # (U, P, E)
         for i in range(len(self.layers)):
             hidden = self._prefill_layer(i, hidden, cos, signed_sin, bias, row_to_unique)
-        return self.lm_head(_rms_norm(hidden[:, -1], self.final_norm, self.eps).to(self.head_dtype)).float()[
-            row_to_unique
-        ]  # (B, V)
+        return self.lm_head(
+            _rms_norm(hidden[:, -1], self.final_norm, self.eps).to(self.head_weight.dtype)
+        ).float()[row_to_unique]  # (B, V)
 
     def _prefill_layer(
         self,
@@ -234,7 +235,7 @@ class LlamaDecoder:
             hidden = _feed_forward(hidden + out_proj(attention), norm_post, gate_up, down, self.eps)
         self.step += 1
         return self.lm_head(
-            _rms_norm(hidden, self.final_norm, self.eps).to(self.head_dtype)
+            _rms_norm(hidden, self.final_norm, self.eps).to(self.head_weight.dtype)
         ).float()  # (B, V)
 
     @torch.inference_mode()

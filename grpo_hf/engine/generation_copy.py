@@ -91,7 +91,7 @@ def policy_weights(policy: nn.Module, trained_only: bool = False) -> Iterator[tu
 
 
 class GenerationCopy:
-    """The policy's weights in `dtype`, as a plain model for `rollout.generate`."""
+    """The policy's weights in `dtype`, as a plain model for `local.generate`."""
 
     def __init__(self, policy: nn.Module, dtype: torch.dtype, decode_attention: bool = True):
         """`decode_attention`: one query token's attention in float32 (`decode_attention`) for our
@@ -100,8 +100,9 @@ class GenerationCopy:
         self._peft = is_peft_model(policy)
         self.model = copy.deepcopy(policy).merge_and_unload() if self._peft else copy.deepcopy(policy)
         self.model.to(dtype).eval().requires_grad_(False)
-        for module in self.model.modules():  # cast_lm_head_to_fp32: the sampler's head stays float32 too
-            if isinstance(module, Float32Head):
+        embedding = self.model.get_input_embeddings().weight
+        for module in self.model.modules():  # cast_lm_head_to_fp32: an untied head's weight stays float32
+            if isinstance(module, Float32Head) and module.weight is not embedding:
                 module.float()
         if decode_attention and getattr(self.model, "_supports_attention_backend", False):
             self.model.set_attn_implementation(DECODE_ATTENTION)

@@ -5,7 +5,7 @@
   (beam search, stop strings, ...): TRL's own path, so those settings mean what they mean there.
 - `with_continuous_batching`: `model.generate_batch` (`use_transformers_continuous_batching`).
 
-Both return the same `Rollout` as `rollout.generate`: completions cut after the first EOS, and
+Both return the same `Rollout` as `local.generate`: completions cut after the first EOS, and
 the sampler's log-probs of the drawn tokens (under the processed distribution, as our decoder
 records them) where the engine exposes them; beam search has no per-token sampling distribution,
 so there `sampler_logps` is None.

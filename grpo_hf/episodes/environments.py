@@ -98,6 +98,10 @@ class EnvironmentPool:
         for pool in self._pool.values():
             pool[:] = [kept for kept in pool if all(kept is not gone for gone in instances)]
 
+    def discard_timed_out(self, instances: list[object], episodes: list) -> None:
+        """Discard the instances whose episode (`multi_turn`) had a tool call time out: it may still run."""
+        self.discard([kept for kept, episode in zip(instances, episodes, strict=True) if episode.timed_out])
+
     def reward_functions(self) -> list[Callable]:
         """One reward function per environment class that has `get_reward`, named after the class."""
         classes = dict.fromkeys(

@@ -143,10 +143,14 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def cast_lm_head_to_fp32(model: nn.Module) -> None:
-    """Turn the model's LM head into a `Float32Head` in place (`cast_lm_head_to_fp32`).
+    """Turn the model's LM head into a `Float32Head` in place (`cast_lm_head_to_fp32`): its product in
+    float32 whatever the model's dtype or autocast, its own weight cast to float32.
 
-    Only an untied head: cast, tied embeddings would turn float32 too, and re-tying (on saving or
-    resizing) would undo the cast. A PEFT adapter on the head would compute outside it.
+    A head tied to the input embedding (tie_word_embeddings: SmolLM2, Gemma) keeps the one weight
+    they share in its dtype, so the embedding and the layers it feeds keep theirs (TRL casts it, the
+    embedding with it, and casts the embedding's output back). It is float32 for a policy loaded in
+    float32 (the default); otherwise the float32 product is taken on its exact upcast. A PEFT
+    adapter on the head would compute outside it.
     """
     base = base_model(model)
     head = base.get_output_embeddings()
@@ -156,18 +160,14 @@ def cast_lm_head_to_fp32(model: nn.Module) -> None:
             "cast_lm_head_to_fp32=True does not support a PEFT adapter on the LM head: remove lm_head from "
             "peft_config.target_modules, or set cast_lm_head_to_fp32=False."
         )
-    tied = getattr(base.config.get_text_config(), "tie_word_embeddings", False)
-    if tied or head.weight is base.get_input_embeddings().weight:
-        raise ValueError(
-            f"cast_lm_head_to_fp32=True needs an LM head of its own, but {name} ties its LM head to its input "
-            "embeddings (tie_word_embeddings=True); set cast_lm_head_to_fp32=False."
-        )
     if type(head) is not nn.Linear:
         raise ValueError(
             f"cast_lm_head_to_fp32=True needs an nn.Linear LM head; {name}'s is a {type(head).__name__}. "
             "Set cast_lm_head_to_fp32=False."
         )
-    head.to(torch.float32)
+    tied = getattr(base.config.get_text_config(), "tie_word_embeddings", False)
+    if not tied and head.weight is not base.get_input_embeddings().weight:
+        head.to(torch.float32)
     head.__class__ = Float32Head  # same parameters and state-dict keys, float32 forward
 
 

@@ -231,7 +231,7 @@ def score_completions(
                 errors, retried = errors + failed, retried + batch_failed
             columns_out.append(values)
     rewards = torch.tensor(columns_out, dtype=torch.float32, device=device).T  # (N, F)
-    warn_unscored(rewards, prompts, completions)
+    warn_unscored(rewards, prompts, completions, columns)
     return rewards, errors, retried
 
 
@@ -293,21 +293,21 @@ def _call_one_by_one(
     return values, errors
 
 
-def warn_unscored(rewards: torch.Tensor, prompts: list, completions: list) -> None:
-    """Warn about completions that got None from every reward function (rewards (N, F))."""
+def warn_unscored(rewards: torch.Tensor, prompts: list, completions: list, columns: dict[str, list]) -> None:
+    """Warn about completions that got None from every reward function (rewards (N, F)) in TRL's words,
+    naming the first one's keyword arguments (its dataset columns, prompt and completion), then ours."""
     unscored = rewards.isnan().all(dim=1)  # (N,)
     if not unscored.any():
         return
     first = int(unscored.nonzero()[0, 0])
+    row = {key: column[first] for key, column in columns.items()}
+    row |= {"prompt": prompts[first], "completion": completions[first]}
     logger.warning(
-        "All reward functions returned None for %d of %d completions (the first: prompt %r, completion %r). "
-        "As in TRL, such a completion is left out of its group's reward mean and std and out of the logged "
-        "reward, and gets advantage 0: no policy gradient, though its tokens still count in the loss (KL and "
-        "entropy terms, the token normaliser). Make at least one reward function return a number for it.",
-        int(unscored.sum()),
-        len(completions),
-        prompts[first],
-        completions[first],
+        f"All reward functions returned None for the following kwargs:\n{row}\n"
+        "Please ensure that at least one reward function returns a valid reward.\n"
+        f"{int(unscored.sum())} of {len(completions)} completions got no reward. As in TRL, such a completion "
+        "is left out of its group's reward mean and std and out of the logged reward, and gets advantage 0: no "
+        "policy gradient, though its tokens still count in the loss (KL and entropy terms, the token normaliser)."
     )
 
 
