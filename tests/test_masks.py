@@ -191,7 +191,7 @@ def test_trainer_off_policy_mask_is_trls_static_method_with_the_loss_values():
     as_ints = GRPOTrainer.get_off_policy_mask(advantages, logps, sampler, mask.long(), 1.0)
     assert as_ints.dtype == torch.long and as_ints.tolist() == [[1], [1], [0]]
     inputs = {"completion_mask": mask, "advantages": advantages.view(-1), "sampler_logps": sampler}
-    internal = policy_weights(settings(off_policy_mask_threshold=1.0), None, logps, mask, logps, inputs)
+    internal = policy_weights(settings(off_policy_mask_threshold=1.0), logps, mask, logps, inputs)
     assert torch.equal(internal["off_policy_mask"], keep)
 
 
@@ -221,9 +221,7 @@ def test_trainer_high_entropy_mask_is_trls_method_with_the_loss_values(threshold
     args = settings(top_entropy_quantile=1.0 - threshold)
     zeros = torch.zeros(2, 6)
     if threshold > 0:  # top_entropy_quantile 1 turns the mask off
-        assert torch.equal(
-            policy_weights(args, None, zeros, TRL_ENTROPIES, zeros, inputs)["entropy_mask"], mask
-        )
+        assert torch.equal(policy_weights(args, zeros, TRL_ENTROPIES, zeros, inputs)["entropy_mask"], mask)
 
 
 def test_trainer_high_entropy_mask_takes_the_quantile_over_every_process():
