@@ -147,23 +147,28 @@ class LlamaDecoder:
         self.final_norm = model.model.norm.weight
         self.head_dtype = model.lm_head.weight.dtype  # float32 with cast_lm_head_to_fp32
 
+    def _linears(self, rows: int) -> list:
+        """The step's matmuls in `_matmul_weights`' order, as callables x -> x @ W.T, for `rows` rows."""
+        blocked = _BLOCKED_WEIGHTS.setdefault(self.model, BlockedWeights())
+        return blocked.reorder(_matmul_weights(self.model), rows)
+
+    def _new_cache(self, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each layer's keys and values, (B, KV, P + N, D) float32."""
+        keys = [self.embed.new_empty(shape, dtype=torch.float32) for _ in self.layers]
+        return keys, [torch.empty_like(k) for k in keys]
+
     @torch.inference_mode()
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         """Run the (B, P) left-padded prompts (each distinct one once); (B, V) float32 next-token logits."""
         model, (rows, prompt_length) = self.model, prompt_ids.shape
-        blocked = _BLOCKED_WEIGHTS.setdefault(model, BlockedWeights())
-        *matmuls, self.lm_head = blocked.reorder(_matmul_weights(model), rows)
+        *matmuls, self.lm_head = self._linears(rows)
         self.layers = [  # norm, q/k/v, o, norm, gate/up, down
             (layer.input_layernorm.weight, *matmuls[4 * i : 4 * i + 2])
             + (layer.post_attention_layernorm.weight, *matmuls[4 * i + 2 : 4 * i + 4])
             for i, layer in enumerate(model.model.layers[: model.config.num_hidden_layers])
         ]
         width = prompt_length + self.max_new_tokens
-        shape = (rows, self.kv_heads, width, self.head_dim)
-        self.keys = [
-            self.embed.new_empty(shape, dtype=torch.float32) for _ in self.layers
-        ]  # (B, KV, P + N, D)
-        self.values = [torch.empty_like(keys) for keys in self.keys]
+        self.keys, self.values = self._new_cache((rows, self.kv_heads, width, self.head_dim))
         visible = F.pad(prompt_mask.bool(), (0, self.max_new_tokens), value=True)  # (B, P + N)
         self.mask = bias_from(visible.unsqueeze(1))  # (B, 1, 1, P + N)
         first_position = position_ids_from_mask(prompt_mask)[:, -1:] + 1  # (B, 1)
@@ -214,10 +219,23 @@ class LlamaDecoder:
     @torch.inference_mode()
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """Feed (B,) tokens; (B, V) float32 logits for the next ones."""
-        rows, column = token.shape[0], self.prompt_length + self.step  # the new token's cache column
-        length = column + 1  # keys attended to
+        column = self.prompt_length + self.step  # the new token's cache column
         cos, signed_sin = self.cos[:, self.step], self.signed_sin[:, self.step]  # (B, 1, D)
-        mask = self.mask[..., :length]  # (B, 1, 1, L)
+        logits = self._forward_token(token, cos, signed_sin, self.mask[..., : column + 1], column)
+        self.step += 1
+        return logits
+
+    def _forward_token(
+        self,
+        token: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        mask: torch.Tensor,
+        column: int | torch.Tensor,
+    ) -> torch.Tensor:
+        """(B,) tokens through every layer, their keys and values written at cache `column`, with
+        their (B, 1, D) rotation and (B, 1, 1, L) attention bias; (B, V) float32 next-token logits."""
+        rows = token.shape[0]
         hidden = F.embedding(token, self.embed)  # (B, E)
         for i, (norm_in, qkv, out_proj, norm_post, gate_up, down) in enumerate(self.layers):
             qk, v = qkv(_rms_norm(hidden, norm_in, self.eps)).split(self.qk_v, -1)
@@ -225,17 +243,25 @@ class LlamaDecoder:
                 qk.view(rows, self.heads + self.kv_heads, self.head_dim), cos, signed_sin
             )  # (B, H + KV, D)
             q = qk[:, : self.heads]  # (B, H, D)
-            self.keys[i][:, :, column] = qk[:, self.heads :]
-            self.values[i][:, :, column] = v.view(rows, self.kv_heads, self.head_dim)
-            keys, values = self.keys[i][:, :, :length], self.values[i][:, :, :length]  # (B, KV, L, D)
+            keys, values = self._write_cache(
+                i, column, qk[:, self.heads :], v.view(rows, self.kv_heads, self.head_dim)
+            )  # (B, KV, L, D) each
             attention = grouped_attention(q.unsqueeze(2), keys, values, mask).view(
                 rows, self.q_size
             )  # (B, H * D)
             hidden = _feed_forward(hidden + out_proj(attention), norm_post, gate_up, down, self.eps)
-        self.step += 1
         return self.lm_head(
             _rms_norm(hidden, self.final_norm, self.eps).to(self.head_dtype)
         ).float()  # (B, V)
+
+    def _write_cache(
+        self, i: int, column: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's new (B, KV, D) keys and values into the cache at `column`; the (B, KV, L, D)
+        keys and values attended to (those written so far)."""
+        self.keys[i][:, :, column] = keys
+        self.values[i][:, :, column] = values
+        return self.keys[i][:, :, : column + 1], self.values[i][:, :, : column + 1]
 
     @torch.inference_mode()
     def keep(self, rows: torch.Tensor) -> None:
