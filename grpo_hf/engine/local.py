@@ -7,6 +7,7 @@ the knobs mean what they mean there) and recording the sampler's log-probs of th
 own engines (`transformers_generate`) for what the loop does not do.
 """
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -31,7 +32,7 @@ from transformers.generation.logits_process import (
 
 from grpo_hf.data.rollout import Rollout
 from grpo_hf.engine import transformers_generate
-from grpo_hf.engine.decoding import decoder_for
+from grpo_hf.engine.decoding import StaticLlamaDecoder, decoder_for
 from grpo_hf.engine.generation import Generator, Sampling
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.models.sharding import unsharded_for_generation
@@ -206,19 +207,22 @@ def _decode(
     Sampling takes one uniform number per row and step, all drawn up front: the same numbers
     whichever rows finish early, so any decoder samples the same tokens for the same seed.
     """
-    decoder = decoder_for(model, config.max_new_tokens, backend)
-    logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
     processors = logits_processors(config, prompt_ids.shape[1], prompt_ids.device)
-    eos = torch.tensor(
-        config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id],
-        device=prompt_ids.device,
-    )
+    decoder = decoder_for(model, config.max_new_tokens, backend, processors)
     rows, device = prompt_ids.shape[0], prompt_ids.device
     uniforms = (
         torch.rand(config.max_new_tokens, rows, 1, dtype=torch.float64, device=device)
         if config.do_sample
         else None
     )  # (N, B, 1)
+    if isinstance(decoder, StaticLlamaDecoder):  # keeps its rows and samples inside its step
+        choose = functools.partial(next_tokens, processors)
+        return decoder.decode(prompt_ids, prompt_mask, config, choose, uniforms, all_done)
+    logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
+    eos = torch.tensor(
+        config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id],
+        device=device,
+    )
     new_tokens = torch.full(
         (rows, config.max_new_tokens), config.pad_token_id, dtype=torch.long, device=device
     )
