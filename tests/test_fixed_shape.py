@@ -92,6 +92,18 @@ def test_the_lora_merged_generation_copy_decodes_alike():
     assert_same_rollout(fixed, loop)
 
 
+def test_the_fixed_shape_steps_ignore_an_ambient_autocast():
+    """Decoding runs without autocast, as the shrinking loop is written for; a captured step must
+    not read autocast's cached weight casts (freed when the autocast region ends)."""
+    model, (ids, mask) = tiny_llama().eval(), prompts()
+    torch.manual_seed(0)
+    plain = generate(model, ids, mask, sampling(), "llama_static")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(0)
+        under = generate(model, ids, mask, sampling(), "llama_static")
+    assert_same_rollout(under, plain)
+
+
 class EagerCapture:
     """Stands in for `fixed_shape.capture` on the CPU: runs the warm-up steps on the state as the
     real capture does, counts captures, and replays the step eagerly."""

@@ -336,9 +336,9 @@ class StaticLlamaDecoder(LlamaDecoder):
         """`LlamaDecoder.prefill`, its attention bias and rotations copied into the state's buffers."""
         logits = super().prefill(prompt_ids, prompt_mask)  # (R, V)
         for name in ("mask", "cos", "signed_sin"):
-            value = getattr(self, name)
-            kept = self.state.model.setdefault(name, torch.empty_like(value))
-            setattr(self, name, kept.copy_(value))
+            if name not in self.state.model:
+                self.state.model[name] = torch.empty_like(getattr(self, name))
+            setattr(self, name, self.state.model[name].copy_(getattr(self, name)))
         return logits
 
     def forward(self, token: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -329,8 +329,14 @@ def decode(
     in the shapes of `state`; (B, C) tokens and their log-probs, views of the state's buffers.
 
     `choose(sequence, logits, uniforms)` is the loop's processors and sampling; `uniforms` (N, B, 1)
-    its numbers (None: greedy).
+    its numbers (None: greedy). Autocast is off, as in the shrinking loop's decoding (a graph must
+    not read autocast's cached weight casts, which go with the autocast region).
     """
+    with torch.autocast(prompt_ids.device.type, enabled=False):
+        return _decode(decoder, state, prompt_ids, prompt_mask, config, choose, uniforms, all_done)
+
+
+def _decode(decoder, state, prompt_ids, prompt_mask, config, choose, uniforms, all_done):
     rows, pad = prompt_ids.shape[0], config.pad_token_id
     ids, mask = padded(prompt_ids, prompt_mask, state.rows, state.prompt_width, pad)
     logits = decoder.prefill(ids, mask)  # (R, V)
