@@ -184,6 +184,19 @@ def test_a_weight_replaced_by_a_new_tensor_is_captured_again(eager_graphs):
     assert eager_graphs.captures == 2
 
 
+def test_a_failed_capture_names_the_setting_that_avoids_it(monkeypatch):
+    def capture(run_step, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
+    monkeypatch.setattr(fixed_shape, "capture", capture)
+    ids, mask = prompts()
+    with pytest.raises(
+        RuntimeError, match=r"CUDA graph failed \(operation not permitted.*generation_backend='llama'"
+    ):
+        generate(tiny_llama().eval(), ids, mask, sampling(), "llama_static")
+
+
 def test_joined_weights_are_rewritten_in_place():
     q, k = torch.ones(2, 3), torch.zeros(1, 3)
     joins = fixed_shape.JoinedWeights()

@@ -256,7 +256,9 @@ def step(
 
 def capture(run_step: Callable[[], None], device: torch.device) -> Callable[[], None]:
     """`run_step` as a CUDA graph: a few eager steps on a side stream, then captured on the same
-    stream (PyTorch's CUDA graph notes); returns its replay."""
+    stream (PyTorch's CUDA graph notes); returns its replay. Only this thread's CUDA calls are
+    checked during the capture ('thread_local'): a helper thread of the run (a reward model, a data
+    loader) may use the GPU meanwhile without being captured."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -264,7 +266,7 @@ def capture(run_step: Callable[[], None], device: torch.device) -> Callable[[], 
             run_step()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         run_step()
     return graph.replay
 
@@ -280,7 +282,13 @@ def graph_for(
         state.graphs[key] = cached
         return cached[0], False
     start = time.perf_counter()
-    replay = capture(run_step, state.t.device)
+    try:
+        replay = capture(run_step, state.t.device)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"Capturing the decoding step as a CUDA graph failed ({error}); set generation_backend='llama' "
+            "to decode without CUDA graphs."
+        ) from error
     state.capture_seconds = time.perf_counter() - start
     state.graphs[key] = (replay, pointers, keep)
     logger.info(
