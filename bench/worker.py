@@ -110,15 +110,17 @@ def build_trainer(
     output_dir: str,
     model: torch.nn.Module | None = None,
     lora: bool = True,
+    tokenizer=None,
     **overrides,
 ) -> tuple[Trainer, list[float]]:
     """The side's trainer on the shared workload, and a list TRL's generation timings land in.
 
-    `model` (default: the embedded SmolLM2-135M-Instruct), `lora=False` (full fine-tuning) and
-    `overrides` of `training_settings` are for `bench/memory.py`.
+    `model` and `tokenizer` (default: the embedded SmolLM2-135M-Instruct's), `lora=False` (full
+    fine-tuning) and `overrides` of `training_settings` are for `bench/memory.py` and
+    `bench/gpu_decode.py`.
     """
     model = load_model(DEFAULT_MODEL) if model is None else model
-    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    tokenizer = load_tokenizer(DEFAULT_MODEL) if tokenizer is None else tokenizer
     dataset = arithmetic_dataset(low=0, high=50, seed=args.seed)["train"]
     peft_config = LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"

@@ -1,5 +1,6 @@
-"""Smoke test of the benchmark script: bench/run.py, our side only (no TRL needed), tiny settings."""
+"""Smoke tests of the benchmark scripts: our side only where TRL is absent, tiny settings."""
 
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import bench_module
 
 from grpo_hf.engine.cpu import native_bf16
@@ -141,3 +143,37 @@ def test_vllm_backend_bench_runs_our_side(tmp_path):
     assert len(ours["syncs"]) == len(ours["tokens_per_second_per_call"]) == 2  # the first call not timed
     assert ours["sync_seconds"] == round(statistics.median(ours["syncs"]), 3) and ours["startup_seconds"] > 0
     assert ours["tokens_per_second"] > 0 and report["machine"]["cores"] >= 1
+
+
+@pytest.mark.slow
+def test_gpu_decode_bench_runs_end_to_end_with_tiny_settings(tmp_path):
+    """bench/gpu_decode.py on this machine's device, a tiny Llama config standing for SmolLM2's:
+    one workload (TRL's side too where TRL is installed) and the reference generate lines."""
+    config = tmp_path / "tiny-config"
+    tiny_llama().config.save_pretrained(config)
+    tiny_tokenizer().save_pretrained(config)
+    output = tmp_path / "gpu_decode.json"
+    command = [
+        sys.executable, str(ROOT / "bench" / "gpu_decode.py"), "--model-config", str(config),
+        "--workloads", "smol-8x8-256", "--prompts", "1", "--num-generations", "2",
+        "--max-completion-length", "4", "--steps", "2", "--reference-rows", "2", "--reference-tokens", "4",
+        "--output", str(output),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(output.read_text())
+    trl = importlib.util.find_spec("trl") is not None
+    assert report["skipped"] == ([] if trl else ["trl"])
+    assert ("TRL is not installed: its side is skipped" in done.stdout) is not trl
+    sides = report["workloads"]["smol-8x8-256"]
+    assert set(sides) == ({"ours", "trl"} if trl else {"ours"})
+    for result in sides.values():
+        assert "error" not in result, result
+        assert len(result["step_seconds"]) == 2 and result["median_step_seconds"] == result["step_seconds"][1]
+        assert result["median_tokens_per_second"] > 0 and 1 <= result["mean_completion_length"] <= 4
+        assert (result["peak_gib"] if torch.cuda.is_available() else result["peak_rss_gib"]) > 0
+    lines = report["reference"]["lines"]
+    assert set(lines) == {"transformers_static", "ours_llama_static", "ours_llama"}
+    for line in lines.values():
+        assert 2 <= line["tokens"] <= 8 and line["tokens_per_second"] > 0  # 2 rows, up to 4 tokens each
+    assert "bench/gpu_decode.py" in report["command"] and "Reference: 2 rows x 4 new tokens" in done.stdout

@@ -86,7 +86,7 @@ class ScriptedTrainer(GRPOTrainer):
                 :width
             ]
             rows.append(tokens + [TOKENIZER.pad_token_id] * (width - len(tokens)))
-        completion_ids = torch.tensor(rows)  # (B, C)
+        completion_ids = torch.tensor(rows, device=prompt_ids.device)  # (B, C)
         mask, truncated = completion_mask_after_eos(completion_ids, [EOS])
         return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated)
 

@@ -60,9 +60,9 @@ class Script:
             tokens = tokens[:max_new_tokens]
             rows.append(tokens + [TOKENIZER.pad_token_id] * (max_new_tokens - len(tokens)))
         self.calls.append((len(rows), max_new_tokens))
-        completion_ids = torch.tensor(rows)  # (B, C)
+        completion_ids = torch.tensor(rows, device=ids.device)  # (B, C)
         completion_mask, truncated = completion_mask_after_eos(completion_ids, [EOS])
-        logps = torch.full(completion_ids.shape, -0.5) * completion_mask  # (B, C)
+        logps = torch.full(completion_ids.shape, -0.5, device=ids.device) * completion_mask  # (B, C)
         if self.scored_calls is not None and len(self.calls) > self.scored_calls:
             logps = None
         return Rollout(ids, mask, completion_ids, completion_mask, truncated, logps)

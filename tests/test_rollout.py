@@ -95,6 +95,48 @@ def test_sampler_logps_are_those_of_the_truncated_distribution(monkeypatch, knob
     torch.testing.assert_close(result.sampler_logps[:, 0], torch.log(p[drawn] / 0.7))
 
 
+class EitherEndsDecoder:
+    """Row 0 draws uniformly from tokens 3..7, never EOS (2); row 1 draws EOS at once if `ends`,
+    else as row 0. It learns which rows it serves only through `keep`, as ScriptedDecoder."""
+
+    def __init__(self, ends: bool):
+        self.ends, self.serving = ends, None
+
+    def logits(self) -> torch.Tensor:
+        logits = torch.zeros(len(self.serving), 8)
+        logits[:, :3] = -float("inf")  # (R, 8): uniform over 3..7
+        if self.ends:
+            logits[self.serving == 1] = 100.0 * torch.nn.functional.one_hot(torch.tensor(2), 8)
+        return logits
+
+    def prefill(self, prompt_ids, prompt_mask):
+        self.serving = torch.arange(prompt_ids.shape[0])
+        return self.logits()
+
+    def __call__(self, token):
+        return self.logits()
+
+    def keep(self, rows):
+        self.serving = self.serving[rows]
+
+
+def test_a_rows_draws_do_not_depend_on_when_the_other_rows_end(monkeypatch):
+    """One uniform per row and step, drawn up front: row 0 samples the same 12 tokens for the same
+    seed whether row 1 leaves the decoder at once or runs on (drawing only for the rows still
+    going would shift row 0's numbers once row 1 left: 5 choices a step, 11 steps)."""
+    ids = torch.ones(2, 3, dtype=torch.long)
+    config = GenerationConfig(do_sample=True, max_new_tokens=12, pad_token_id=0, eos_token_id=[2])
+    runs = []
+    for ends in (True, False):
+        monkeypatch.setattr(local, "decoder_for", lambda *args, ends=ends: EitherEndsDecoder(ends))
+        torch.manual_seed(0)
+        runs.append(local.generate(torch.nn.Linear(1, 1), ids, torch.ones_like(ids), config))
+    ended, ran_on = runs
+    assert ended.completion_ids[1].tolist() == [2] + [0] * 11 and ran_on.completion_mask[1].sum() == 12
+    assert torch.equal(ended.completion_ids[0], ran_on.completion_ids[0])
+    assert not torch.equal(ran_on.completion_ids[0], ran_on.completion_ids[1])  # rows draw their own numbers
+
+
 @pytest.mark.parametrize("block", [2, 3, 256], ids=["block-2", "block-3", "one-block"])
 def test_sample_tokens_follows_the_softmax(block):
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from test_trainer import StopAfter
 from tiny_models import tiny_llama, tiny_tokenizer
-from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
+from trainer_helpers import FixedCompletionsTrainer, chat_dataset, exact_resume, length_reward, make_config
 
 from grpo_hf.data.batches import PromptChecker
 from grpo_hf.data.streaming import ExtraStreamPrompts, GroupStream
@@ -291,7 +291,9 @@ def test_resuming_a_stream_continues_where_it_stopped(tmp_path):
     crosses passes (each reshuffled), and the resumed run reads past the first pass exactly."""
 
     def run(output, stop=None, resume=None):
-        trainer = make_trainer(output, stream(3), max_steps=6, save_strategy="steps", save_steps=1)
+        trainer = make_trainer(
+            output, stream(3), max_steps=6, save_strategy="steps", save_steps=1, **exact_resume()
+        )
         if stop:
             trainer.add_callback(StopAfter(stop))
         trainer.train(resume_from_checkpoint=resume)

@@ -6,7 +6,14 @@ import pytest
 import torch
 from peft import LoraConfig
 from tiny_models import tiny_gpt2, tiny_llama, tiny_tokenizer
-from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
+from trainer_helpers import (
+    FixedCompletionsTrainer,
+    chat_dataset,
+    exact_resume,
+    length_reward,
+    make_config,
+    suite_device,
+)
 from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
@@ -141,6 +148,21 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, loss_type):
         torch.testing.assert_close(accumulated[name], big[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_the_suite_trains_on_the_device_grpo_hf_test_device_names(tmp_path, monkeypatch):
+    monkeypatch.delenv("GRPO_HF_TEST_DEVICE", raising=False)
+    assert suite_device() == "cpu" and make_config(tmp_path).use_cpu
+    assert exact_resume() == {"full_determinism": False}
+    monkeypatch.setenv("GRPO_HF_TEST_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="GRPO_HF_TEST_DEVICE='tpu': use 'cpu'"):
+        make_config(tmp_path)
+    monkeypatch.setenv("GRPO_HF_TEST_DEVICE", "cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+            suite_device()
+        return
+    assert not make_config(tmp_path).use_cpu and exact_resume() == {"full_determinism": True}
+
+
 class StopAfter(TrainerCallback):
     """Simulates an interruption: training stops (after saving) at the given step."""
 
@@ -164,8 +186,9 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path, stop_after, round
 
     def run(output, stop=None, resume=None):
         args = make_config(
-            output, max_steps=4, save_strategy="steps", save_steps=1, target_kl=0.001, **round_settings
-        )
+            output, max_steps=4, save_strategy="steps", save_steps=1, target_kl=0.001, **round_settings,
+            **exact_resume(),
+        )  # fmt: skip
         trainer = GRPOTrainer(
             model=tiny_llama(),
             reward_funcs=length_reward,

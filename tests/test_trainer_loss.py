@@ -35,7 +35,7 @@ class LengthsTrainer(FixedCompletionsTrainer):
         for i in range(len(prompt_ids)):
             n = self.lengths[i % len(self.lengths)]
             rows.append(([40 + (7 * t + i) % 150 for t in range(n - 1)] + [eos] + [pad] * width)[:width])
-        completion_ids = torch.tensor(rows)  # (B, C)
+        completion_ids = torch.tensor(rows, device=prompt_ids.device)  # (B, C)
         mask, truncated = completion_mask_after_eos(completion_ids, self.eos_token_ids)
         return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated)
 

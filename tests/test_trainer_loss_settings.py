@@ -8,7 +8,7 @@ from loss_settings import grpo_loss_with
 from test_trainer import StopAfter
 from test_trainer_loss import RecordingLossTrainer, peaky_llama, token_count_reward
 from tiny_models import tiny_llama, tiny_tokenizer
-from trainer_helpers import chat_dataset, make_config
+from trainer_helpers import chat_dataset, exact_resume, make_config
 
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.training.checkpoints import read_state
@@ -88,7 +88,7 @@ class SamplerLogpsTrainer(RecordingLossTrainer):
 
     def generate_completions(self, prompt_ids, prompt_mask):
         result = super().generate_completions(prompt_ids, prompt_mask)
-        rows = torch.arange(len(prompt_ids)).unsqueeze(1)  # (B, 1)
+        rows = torch.arange(len(prompt_ids), device=prompt_ids.device).unsqueeze(1)  # (B, 1)
         result.sampler_logps = torch.where(rows % 2 == 0, -20.0, 0.0) * result.completion_mask  # (B, C)
         return result
 
@@ -148,7 +148,7 @@ def adaptive_run(output, stop=None, resume=None):
     """Adaptive entropy from 0 with a target no entropy reaches from below (100 nats): +0.01 per step."""
     args = make_config(
         output, max_steps=3, save_strategy="steps", save_steps=1, beta=0.0, use_adaptive_entropy=True,
-        entropy_target=100.0, entropy_coef_delta=0.01,
+        entropy_target=100.0, entropy_coef_delta=0.01, **exact_resume(),
     )  # fmt: skip
     trainer = RecordingLossTrainer(
         model=tiny_llama(),

@@ -1,7 +1,8 @@
-"""Shared pieces for trainer tests: a prompt dataset, rewards, and a trainer with fixed completions;
-a free port, and the bench scripts as modules."""
+"""Shared pieces for trainer tests: the suite's device, a prompt dataset, rewards, and a trainer with
+fixed completions; a free port, and the bench scripts as modules."""
 
 import importlib.util
+import os
 import socket
 from pathlib import Path
 
@@ -10,6 +11,28 @@ from datasets import Dataset
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.data.rollout import Rollout, completion_mask_after_eos
+
+DEVICE_VARIABLE = "GRPO_HF_TEST_DEVICE"
+
+
+def suite_device() -> str:
+    """Where the trainer tests train: GRPO_HF_TEST_DEVICE, 'cpu' (the default, what CI runs) or 'cuda'.
+
+    Some tests stay CPU-only in what they check (doubles that build CPU tensors, comparisons with
+    tensors built on the CPU, CPU precision); on a GPU they fail for that reason, not the trainer's.
+    """
+    device = os.environ.get(DEVICE_VARIABLE, "").strip() or "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"{DEVICE_VARIABLE}={device!r}: use 'cpu' (the default) or 'cuda'.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{DEVICE_VARIABLE}=cuda, but torch sees no CUDA GPU here.")
+    return device
+
+
+def exact_resume() -> dict:
+    """The settings under which a resumed run is bit-identical to an uninterrupted one on the suite's
+    device: deterministic kernels on CUDA (full_determinism); a CPU needs none."""
+    return {"full_determinism": suite_device() == "cuda"}
 
 
 def free_port() -> int:
@@ -49,7 +72,7 @@ def make_config(tmp_path, **overrides) -> GRPOConfig:
         learning_rate=1e-2,
         report_to=[],
         save_strategy="no",
-        use_cpu=True,
+        use_cpu=suite_device() == "cpu",
         seed=0,
         disable_tqdm=True,
         # The tests' settings where the defaults are TRL's (beta 0, logging every 10 steps, no prompt

@@ -5,7 +5,9 @@ place a decoder is chosen) and "log-probs of these tokens" (`logprobs.completion
 knows which path answered. Modules:
 
 - `decoding`: prompt prefill and decoding steps; `decoder_for` picks `LlamaDecoder` (Llama's maths
-  on the raw weights) or `TransformersDecoder` (the model's own forward, any architecture);
+  on the raw weights), `StaticLlamaDecoder` (the same in fixed shapes, CUDA graphs on a GPU) or
+  `TransformersDecoder` (the model's own forward, any architecture);
+- `fixed_shape`: shape buckets, the static buffers and the CUDA graph capture of a decoding step;
 - `cpu`: what this CPU computes natively, and oneDNN's blocked-weight matmul with its fallback;
 - `generation_copy`: the low-precision, LoRA-merged copy generation samples from;
 - `logprobs`, `packing`, `attention`, `token_scores`: the padding-free loss passes and the chunked

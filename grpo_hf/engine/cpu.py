@@ -93,6 +93,12 @@ class BlockedLinear:
         return F.linear(x, self.weight)
 
 
+def weights_stamp(weights: tuple[torch.Tensor, ...]) -> tuple[tuple[int, int], ...]:
+    """What changes when weights are replaced or written in place: each one's storage and version
+    counter (bumped by in-place writes such as `GenerationCopy.refresh`'s `copy_`)."""
+    return tuple((weight.data_ptr(), weight._version) for weight in weights)
+
+
 class BlockedWeights:
     """One model's `BlockedLinear`s, reordered again only where a source weight changed.
 
@@ -112,7 +118,7 @@ class BlockedWeights:
         entries, linears = {}, []
         for weights in groups:
             key = tuple(id(weight) for weight in weights)  # unique while the entry holds the weights
-            stamp = tuple((weight.data_ptr(), weight._version) for weight in weights)
+            stamp = weights_stamp(weights)
             cached = self.entries.get(key)
             if cached is None or cached[1] != stamp or any(weight.requires_grad for weight in weights):
                 joined = torch.cat(weights) if len(weights) > 1 else weights[0]

@@ -14,17 +14,24 @@ directly on the model's weights:
   for the whole completion, and attention is `attention.grouped_attention` over it;
 - RMSNorm, RoPE and the residual stream round exactly where transformers' Llama does (tests
   compare logits step by step).
-Any other model (GPT-2, a PEFT wrapper with unmerged adapters, sharded parameters) prefills and
-decodes through `model(...)` with a `DynamicCache` (`TransformersDecoder`). `bench/levers.py`
+`StaticLlamaDecoder` is the same maths in fixed shapes on a static cache, each step sampling
+inside and replayed as a CUDA graph on a GPU (`fixed_shape`); `decoder_for` takes it on a CUDA
+device. Any other model (GPT-2, a PEFT wrapper with unmerged adapters, sharded parameters) prefills
+and decodes through `model(...)` with a `DynamicCache` (`TransformersDecoder`). `bench/levers.py`
 times a step of each on the benchmark's shapes.
 """
 
+import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationConfig
+from transformers.generation.logits_process import LogitsProcessorList
 
+from grpo_hf.engine import fixed_shape
 from grpo_hf.engine.attention import bias_from, causal_allowed, grouped_attention
 from grpo_hf.engine.cpu import BlockedLinear, BlockedWeights
 from grpo_hf.engine.logprobs import Float32Head, position_ids_from_mask, prefill_prompts, unique_rows
@@ -148,23 +155,28 @@ class LlamaDecoder:
         head = model.lm_head  # a Float32Head (cast_lm_head_to_fp32) multiplies in float32, tied or not
         self.head_weight = head.weight.float() if isinstance(head, Float32Head) else head.weight  # (V, E)
 
+    def _linears(self, rows: int) -> list:
+        """The step's matmuls in `_matmul_weights`' order, as callables x -> x @ W.T, for `rows` rows."""
+        blocked = _BLOCKED_WEIGHTS.setdefault(self.model, BlockedWeights())
+        return blocked.reorder(_matmul_weights(self.model, self.head_weight), rows)
+
+    def _new_cache(self, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each layer's keys and values, (B, KV, P + N, D) float32."""
+        keys = [self.embed.new_empty(shape, dtype=torch.float32) for _ in self.layers]
+        return keys, [torch.empty_like(k) for k in keys]
+
     @torch.inference_mode()
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         """Run the (B, P) left-padded prompts (each distinct one once); (B, V) float32 next-token logits."""
         model, (rows, prompt_length) = self.model, prompt_ids.shape
-        blocked = _BLOCKED_WEIGHTS.setdefault(model, BlockedWeights())
-        *matmuls, self.lm_head = blocked.reorder(_matmul_weights(model, self.head_weight), rows)
+        *matmuls, self.lm_head = self._linears(rows)
         self.layers = [  # norm, q/k/v, o, norm, gate/up, down
             (layer.input_layernorm.weight, *matmuls[4 * i : 4 * i + 2])
             + (layer.post_attention_layernorm.weight, *matmuls[4 * i + 2 : 4 * i + 4])
             for i, layer in enumerate(model.model.layers[: model.config.num_hidden_layers])
         ]
         width = prompt_length + self.max_new_tokens
-        shape = (rows, self.kv_heads, width, self.head_dim)
-        self.keys = [
-            self.embed.new_empty(shape, dtype=torch.float32) for _ in self.layers
-        ]  # (B, KV, P + N, D)
-        self.values = [torch.empty_like(keys) for keys in self.keys]
+        self.keys, self.values = self._new_cache((rows, self.kv_heads, width, self.head_dim))
         visible = F.pad(prompt_mask.bool(), (0, self.max_new_tokens), value=True)  # (B, P + N)
         self.mask = bias_from(visible.unsqueeze(1))  # (B, 1, 1, P + N)
         first_position = position_ids_from_mask(prompt_mask)[:, -1:] + 1  # (B, 1)
@@ -215,10 +227,23 @@ class LlamaDecoder:
     @torch.inference_mode()
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         """Feed (B,) tokens; (B, V) float32 logits for the next ones."""
-        rows, column = token.shape[0], self.prompt_length + self.step  # the new token's cache column
-        length = column + 1  # keys attended to
+        column = self.prompt_length + self.step  # the new token's cache column
         cos, signed_sin = self.cos[:, self.step], self.signed_sin[:, self.step]  # (B, 1, D)
-        mask = self.mask[..., :length]  # (B, 1, 1, L)
+        logits = self._forward_token(token, cos, signed_sin, self.mask[..., : column + 1], column)
+        self.step += 1
+        return logits
+
+    def _forward_token(
+        self,
+        token: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        mask: torch.Tensor,
+        column: int | torch.Tensor,
+    ) -> torch.Tensor:
+        """(B,) tokens through every layer, their keys and values written at cache `column`, with
+        their (B, 1, D) rotation and (B, 1, 1, L) attention bias; (B, V) float32 next-token logits."""
+        rows = token.shape[0]
         hidden = F.embedding(token, self.embed)  # (B, E)
         for i, (norm_in, qkv, out_proj, norm_post, gate_up, down) in enumerate(self.layers):
             qk, v = qkv(_rms_norm(hidden, norm_in, self.eps)).split(self.qk_v, -1)
@@ -226,17 +251,25 @@ class LlamaDecoder:
                 qk.view(rows, self.heads + self.kv_heads, self.head_dim), cos, signed_sin
             )  # (B, H + KV, D)
             q = qk[:, : self.heads]  # (B, H, D)
-            self.keys[i][:, :, column] = qk[:, self.heads :]
-            self.values[i][:, :, column] = v.view(rows, self.kv_heads, self.head_dim)
-            keys, values = self.keys[i][:, :, :length], self.values[i][:, :, :length]  # (B, KV, L, D)
+            keys, values = self._write_cache(
+                i, column, qk[:, self.heads :], v.view(rows, self.kv_heads, self.head_dim)
+            )  # (B, KV, L, D) each
             attention = grouped_attention(q.unsqueeze(2), keys, values, mask).view(
                 rows, self.q_size
             )  # (B, H * D)
             hidden = _feed_forward(hidden + out_proj(attention), norm_post, gate_up, down, self.eps)
-        self.step += 1
         return self.lm_head(
             _rms_norm(hidden, self.final_norm, self.eps).to(self.head_weight.dtype)
         ).float()  # (B, V)
+
+    def _write_cache(
+        self, i: int, column: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's new (B, KV, D) keys and values into the cache at `column`; the (B, KV, L, D)
+        keys and values attended to (those written so far)."""
+        self.keys[i][:, :, column] = keys
+        self.values[i][:, :, column] = values
+        return self.keys[i][:, :, : column + 1], self.values[i][:, :, : column + 1]
 
     @torch.inference_mode()
     def keep(self, rows: torch.Tensor) -> None:
@@ -253,26 +286,114 @@ class LlamaDecoder:
         self.mask, self.cos, self.signed_sin = self.mask[rows], self.cos[rows], self.signed_sin[rows]
 
 
-DECODERS = ("auto", "llama", "transformers")
+class StaticLlamaDecoder(LlamaDecoder):
+    """`LlamaDecoder` in fixed shapes (`fixed_shape`): a static cache per shape bucket, in the
+    weights' dtype on a GPU (float32 on a CPU), rows kept to the end, sampling inside the step, and
+    on CUDA each step replayed as a CUDA graph. The prefill is `LlamaDecoder`'s, on the bucket's
+    padded prompts; the step is its `_forward_token` with the step, the cache column and the
+    attention bias held on the device. `decode` replaces the loop's prefill / step / keep.
+    """
+
+    def __init__(self, model: nn.Module, max_new_tokens: int):
+        super().__init__(model, fixed_shape.bucket(max_new_tokens))
+        self.buffers = fixed_shape.buffers_of(model)
+        self.vocab = model.lm_head.weight.shape[0]
+
+    def decode(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        config: GenerationConfig,
+        choose: Callable,
+        uniforms: torch.Tensor | None,
+        all_done: Callable[[bool], bool] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, C) new tokens of the (B, P) prompts and their log-probs, as the loop returns them."""
+        self.state = self.buffers.state(prompt_ids, self.max_new_tokens, self.vocab)
+        tokens, logps = fixed_shape.decode(
+            self, self.state, prompt_ids, prompt_mask, config, choose, uniforms, all_done
+        )
+        return tokens.clone(), logps.clone()  # outside inference mode: plain tensors
+
+    def _linears(self, rows: int) -> list:
+        self.weights = self.buffers.joins.join(_matmul_weights(self.model, self.head_weight))
+        return [functools.partial(F.linear, weight=weight) for weight in self.weights]
+
+    def _new_cache(self, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The state's cache; its new-token columns zeroed (the bias masks them until written:
+        probability 0 times a finite value)."""
+        cache = self.state.model
+        if "keys" not in cache:
+            dtype = torch.float32 if self.embed.device.type == "cpu" else self.embed.dtype
+            cache["keys"], cache["values"] = (
+                [self.embed.new_zeros(shape, dtype=dtype) for _ in self.layers] for _ in range(2)
+            )  # (R, KV, W, D) each
+        for tensor in (*cache["keys"], *cache["values"]):
+            tensor[:, :, self.state.prompt_width :].zero_()
+        return cache["keys"], cache["values"]
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """`LlamaDecoder.prefill`, its attention bias and rotations copied into the state's buffers."""
+        logits = super().prefill(prompt_ids, prompt_mask)  # (R, V)
+        for name in ("mask", "cos", "signed_sin"):
+            if name not in self.state.model:
+                self.state.model[name] = torch.empty_like(getattr(self, name))
+            setattr(self, name, self.state.model[name].copy_(getattr(self, name)))
+        return logits
+
+    def forward(self, token: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Feed (R,) tokens at step `t` ((1,) on the device); (R, V) float32 logits."""
+        column = t + self.prompt_length  # (1,)
+        cos, signed_sin = (x.index_select(1, t).squeeze(1) for x in (self.cos, self.signed_sin))  # (R, 1, D)
+        mask = self.mask.masked_fill(self.state.columns > column, float("-inf"))  # (R, 1, 1, W)
+        return self._forward_token(token, cos, signed_sin, mask, column)
+
+    def _write_cache(
+        self, i: int, column: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write at the (1,) `column`; attend to the whole width (the bias masks what is not written)."""
+        self.keys[i].index_copy_(2, column, keys.unsqueeze(2).to(self.keys[i].dtype))
+        self.values[i].index_copy_(2, column, values.unsqueeze(2).to(self.values[i].dtype))
+        return self.keys[i], self.values[i]
+
+    def weight_pointers(self) -> tuple[int, ...]:
+        """Where the weights a step reads lie: a captured step must be captured again if one moved."""
+        norms = [weight for layer in self.layers for weight in (layer[0], layer[3])]
+        return tuple(w.data_ptr() for w in (self.embed, self.final_norm, *norms, *self.weights))
+
+
+DECODERS = ("auto", "llama", "llama_static", "transformers")
 
 
 def decoder_for(
-    model: nn.Module, max_new_tokens: int, backend: str = "auto"
+    model: nn.Module, max_new_tokens: int, backend: str = "auto", processors: LogitsProcessorList = ()
 ) -> LlamaDecoder | TransformersDecoder:
     """The prefill and decoding steps for `model`, for completions of up to `max_new_tokens`.
 
     `backend` (`GRPOConfig.generation_backend`): 'auto' takes `LlamaDecoder` wherever it reproduces
-    the model (`is_plain_llama`) and the model's own forward elsewhere; 'llama' / 'transformers'
-    insist on one.
+    the model (`is_plain_llama`) and the model's own forward elsewhere; 'llama' / 'llama_static' /
+    'transformers' insist on one. `StaticLlamaDecoder` (fixed shapes, CUDA graphs on a GPU) is
+    asked for by name until its CUDA path has run on a GPU (the `cuda` tests, `make bench-gpu`):
+    then 'auto' takes it on CUDA devices unless a logits processor (of the call's `processors`)
+    needs the shrinking loop.
     """
     if backend not in DECODERS:
         raise ValueError(f"generation_backend={backend!r} is not one of {DECODERS}.")
     plain_llama = is_plain_llama(model)
-    if backend == "llama" and not plain_llama:
+    if backend in ("llama", "llama_static") and not plain_llama:
         raise ValueError(
-            f"generation_backend='llama' needs a plain LlamaForCausalLM with whole local weights, not "
+            f"generation_backend={backend!r} needs a plain LlamaForCausalLM with whole local weights, not "
             f"{type(model).__name__}; set generation_backend='auto'."
         )
-    if plain_llama and backend != "transformers":
-        return LlamaDecoder(model, max_new_tokens)
-    return TransformersDecoder(model)
+    if not plain_llama or backend == "transformers":
+        return TransformersDecoder(model)
+    variable = fixed_shape.variable_shape_settings(processors)
+    if backend == "llama_static" and variable:
+        raise ValueError(
+            f"generation_backend='llama_static' decodes in fixed shapes, which the sampling settings {variable} "
+            "do not allow; drop them from generation_kwargs or set generation_backend='llama' (or 'auto')."
+        )
+    if backend == "llama_static":
+        return StaticLlamaDecoder(model, max_new_tokens)
+    return LlamaDecoder(model, max_new_tokens)

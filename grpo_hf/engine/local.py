@@ -7,6 +7,7 @@ the knobs mean what they mean there) and recording the sampler's log-probs of th
 own engines (`transformers_generate`) for what the loop does not do.
 """
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -31,7 +32,7 @@ from transformers.generation.logits_process import (
 
 from grpo_hf.data.rollout import Rollout
 from grpo_hf.engine import transformers_generate
-from grpo_hf.engine.decoding import decoder_for
+from grpo_hf.engine.decoding import StaticLlamaDecoder, decoder_for
 from grpo_hf.engine.generation import Generator, Sampling
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.models.sharding import unsharded_for_generation
@@ -111,8 +112,11 @@ def logits_processors(
 SAMPLING_BLOCK = 256
 
 
-def sample_tokens(scores: torch.Tensor, block: int = SAMPLING_BLOCK) -> torch.Tensor:
-    """One token per row from softmax(scores), by inverting the CDF with one uniform number per row.
+def sample_tokens(
+    scores: torch.Tensor, block: int = SAMPLING_BLOCK, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One token per row from softmax(scores), by inverting the CDF with one uniform number per row
+    (`uniforms`, (B, 1) float64 in [0, 1); drawn here when None).
 
     `torch.multinomial` (or an exponential race, argmax p / E) draws a random number per vocabulary
     entry: 17 ms for 16 rows of a 49k vocabulary on a CPU, against 1 ms here, at every decoding
@@ -126,7 +130,9 @@ def sample_tokens(scores: torch.Tensor, block: int = SAMPLING_BLOCK) -> torch.Te
     within = padded.view(rows, -1, block).cumsum(dim=-1)  # (B, K, block) float32
     ends = within[:, :, -1].double().cumsum(dim=-1)  # (B, K) float64: CDF at each block's end
     starts = torch.nn.functional.pad(ends[:, :-1], (1, 0))  # (B, K) CDF before each block
-    u = torch.rand(rows, 1, dtype=torch.float64, device=probs.device) * ends[:, -1:]  # (B, 1)
+    if uniforms is None:
+        uniforms = torch.rand(rows, 1, dtype=torch.float64, device=probs.device)  # (B, 1)
+    u = uniforms * ends[:, -1:]  # (B, 1)
     k = torch.searchsorted(ends, u, right=True).clamp_(max=ends.shape[1] - 1)  # (B, 1) block index
     # starts + within[k] reproduces ends[k] exactly (the same float64 sum), so u < its last entry.
     cdf = (
@@ -134,6 +140,21 @@ def sample_tokens(scores: torch.Tensor, block: int = SAMPLING_BLOCK) -> torch.Te
     )  # (B, block)
     j = torch.searchsorted(cdf, u, right=True).clamp_(max=block - 1)  # (B, 1)
     return (k * block + j).squeeze(1)  # (B,)
+
+
+def next_tokens(
+    processors: LogitsProcessorList,
+    sequence: torch.Tensor,
+    logits: torch.Tensor,
+    uniforms: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's next token and its log-prob under the distribution it was drawn from: the
+    processors' scores of the (R, V) logits, sampled with (R, 1) `uniforms` (`sample_tokens`), or
+    the most likely token where `uniforms` is None (greedy)."""
+    scores = processors(sequence, logits)  # (R, V)
+    token = scores.argmax(dim=-1) if uniforms is None else sample_tokens(scores, uniforms=uniforms)  # (R,)
+    logp = torch.log_softmax(scores.float(), dim=-1).gather(1, token.unsqueeze(1)).squeeze(1)  # (R,)
+    return token, logp
 
 
 @torch.no_grad()
@@ -183,15 +204,25 @@ def _decode(
     going, so a round costs what its completions' lengths add up to rather than rows times the
     longest. Its later columns hold `pad_token_id` and log-prob 0. With `all_done`, a process whose
     rows are all done keeps one of them in the decoder, fed its last token, until every process is.
+    Sampling takes one uniform number per row and step, all drawn up front: the same numbers
+    whichever rows finish early, so any decoder samples the same tokens for the same seed.
     """
-    decoder = decoder_for(model, config.max_new_tokens, backend)
-    logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
     processors = logits_processors(config, prompt_ids.shape[1], prompt_ids.device)
+    decoder = decoder_for(model, config.max_new_tokens, backend, processors)
+    rows, device = prompt_ids.shape[0], prompt_ids.device
+    uniforms = (
+        torch.rand(config.max_new_tokens, rows, 1, dtype=torch.float64, device=device)
+        if config.do_sample
+        else None
+    )  # (N, B, 1)
+    if isinstance(decoder, StaticLlamaDecoder):  # keeps its rows and samples inside its step
+        choose = functools.partial(next_tokens, processors)
+        return decoder.decode(prompt_ids, prompt_mask, config, choose, uniforms, all_done)
+    logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
     eos = torch.tensor(
         config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id],
-        device=prompt_ids.device,
+        device=device,
     )
-    rows, device = prompt_ids.shape[0], prompt_ids.device
     new_tokens = torch.full(
         (rows, config.max_new_tokens), config.pad_token_id, dtype=torch.long, device=device
     )
@@ -201,12 +232,9 @@ def _decode(
     done = False
     for step in range(config.max_new_tokens):
         if not done:
-            scores = processors(sequence, logits)  # (R, V)
-            token = sample_tokens(scores) if config.do_sample else scores.argmax(dim=-1)  # (R,)
+            drawn = None if uniforms is None else uniforms[step, going]  # (R, 1)
+            token, new_logps[going, step] = next_tokens(processors, sequence, logits, drawn)  # (R,) each
             new_tokens[going, step] = token
-            new_logps[going, step] = (
-                torch.log_softmax(scores.float(), dim=-1).gather(1, token.unsqueeze(1)).squeeze(1)
-            )
             open_rows = (~torch.isin(token, eos)).nonzero().squeeze(1)  # (R',)
             if open_rows.numel() == 0:
                 done = True

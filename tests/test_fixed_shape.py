@@ -1,0 +1,260 @@
+"""The fixed-shape decoder (`StaticLlamaDecoder`, `engine/fixed_shape.py`) against our shrinking loop.
+
+On the CPU it runs eagerly and must sample the loop's tokens for the same seed, with log-probs
+within 1e-5 (float32). The CUDA graph bookkeeping (one capture per bucket and sampling settings,
+captured again when a weight moves) runs here with the capture replaced by `EagerCapture`, which
+runs the warm-up steps on the state as a real capture does. The tests marked `cuda` (skipped
+without a GPU) replay real CUDA graphs.
+"""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from test_decoding import llama_with_rope_scaling
+from tiny_models import tiny_llama
+from transformers import GenerationConfig
+
+from grpo_hf import GRPOConfig
+from grpo_hf.engine import fixed_shape
+from grpo_hf.engine.decoding import LlamaDecoder, StaticLlamaDecoder, decoder_for
+from grpo_hf.engine.generation_copy import GenerationCopy
+from grpo_hf.engine.local import generate, logits_processors
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def prompts(width: int = 7, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Six left-padded rows, three prompts twice each (lengths width, 3 and 1): 8 rows and
+    16 columns in buckets, so both kinds of bucket padding are exercised."""
+    rows = [list(range(40, 40 + width)), [0] * (width - 3) + [9, 8, 7], [0] * (width - 1) + [4]]
+    ids = torch.tensor([row for row in rows for _ in range(2)], device=device)  # (6, width)
+    return ids, (ids != 0).long()
+
+
+def sampling(**knobs) -> GenerationConfig:
+    """16 new tokens; 27 of the 259 tokens end a completion, so rows end at different steps."""
+    settings = dict(do_sample=True, max_new_tokens=16, pad_token_id=0, eos_token_id=list(range(3, 30)))
+    return GenerationConfig(**(settings | knobs))
+
+
+def decode_both(model, config, ids, mask, seed: int = 0):
+    """The shrinking loop's rollout and the fixed-shape one's, each drawn from `seed`."""
+    rollouts = []
+    for backend in ("llama", "llama_static"):
+        torch.manual_seed(seed)
+        rollouts.append(generate(model, ids, mask, config, backend))
+    return rollouts
+
+
+def assert_same_rollout(ours, reference):
+    assert torch.equal(ours.completion_ids, reference.completion_ids)
+    assert torch.equal(ours.completion_mask, reference.completion_mask)
+    torch.testing.assert_close(ours.sampler_logps, reference.sampler_logps, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {},
+        {"do_sample": False, "eos_token_id": [2]},
+        {"temperature": 0.7, "top_k": 20, "top_p": 0.9},
+        {"min_p": 0.05, "repetition_penalty": 1.3},
+        {"typical_p": 0.9, "epsilon_cutoff": 1e-3, "repetition_penalty": 0.8},
+    ],
+    ids=["plain", "greedy", "top-k-top-p", "min-p-repetition", "typical-epsilon"],
+)
+@pytest.mark.parametrize("build", [tiny_llama, llama_with_rope_scaling], ids=["llama", "llama3-rope-gqa"])
+def test_fixed_shapes_sample_the_loops_tokens(build, knobs):
+    model, (ids, mask) = build().eval(), prompts()
+    loop, fixed = decode_both(model, sampling(**knobs), ids, mask)
+    assert_same_rollout(fixed, loop)
+    lengths = loop.completion_mask.sum(1)
+    if knobs.get("do_sample", True):  # rows end at different steps
+        assert len(set(lengths.tolist())) >= 3, lengths
+
+
+def lora_policy() -> torch.nn.Module:
+    """A tiny Llama with LoRA on every linear layer, its B matrices non-zero (trained)."""
+    policy = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    return policy
+
+
+def test_the_lora_merged_generation_copy_decodes_alike():
+    copy = GenerationCopy(lora_policy(), torch.float32)
+    ids, mask = prompts()
+    loop, fixed = decode_both(copy.refresh(), sampling(top_k=50), ids, mask, seed=3)
+    assert_same_rollout(fixed, loop)
+
+
+def test_the_fixed_shape_steps_ignore_an_ambient_autocast():
+    """Decoding runs without autocast, as the shrinking loop is written for; a captured step must
+    not read autocast's cached weight casts (freed when the autocast region ends)."""
+    model, (ids, mask) = tiny_llama().eval(), prompts()
+    torch.manual_seed(0)
+    plain = generate(model, ids, mask, sampling(), "llama_static")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(0)
+        under = generate(model, ids, mask, sampling(), "llama_static")
+    assert_same_rollout(under, plain)
+
+
+class EagerCapture:
+    """Stands in for `fixed_shape.capture` on the CPU: runs the warm-up steps on the state as the
+    real capture does, counts captures, and replays the step eagerly."""
+
+    def __init__(self):
+        self.captures = 0
+
+    def __call__(self, run_step, device):
+        self.captures += 1
+        for _ in range(fixed_shape.WARMUP_STEPS):
+            run_step()
+        return run_step
+
+
+@pytest.fixture
+def eager_graphs(monkeypatch) -> EagerCapture:
+    capture = EagerCapture()
+    monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
+    monkeypatch.setattr(fixed_shape, "capture", capture)
+    return capture
+
+
+def test_one_capture_per_bucket_and_sampling_settings(eager_graphs):
+    model = tiny_llama().eval()
+    rounds = [
+        (prompts(7), sampling(), 1),  # 8 rows x 16 prompt columns x 16 new: captured
+        (prompts(9), sampling(), 1),  # a longer prompt in the same bucket: replayed
+        (prompts(9), sampling(max_new_tokens=12), 1),  # fewer new tokens, same bucket: replayed
+        (prompts(20), sampling(), 2),  # 32 prompt columns: a new bucket
+        (prompts(9), sampling(do_sample=False), 3),  # greedy: other settings baked in
+        (prompts(9), sampling(), 3),  # back to the first: still held
+    ]
+    for seed, ((ids, mask), config, captures) in enumerate(rounds):
+        loop, fixed = decode_both(model, config, ids, mask, seed)
+        assert_same_rollout(fixed, loop)
+        assert eager_graphs.captures == captures
+    assert list(fixed_shape.buffers_of(model).states) == [(8, 32, 16), (8, 16, 16)]  # most recent last
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weights_refreshed_between_rounds_reach_the_replayed_step(device, request):
+    """A LoRA policy's generation copy, refreshed in place after each 'optimizer step' that moves
+    one kind of adapter (a joined q/k/v or gate/up buffer, or a weight read where it lies): the
+    replayed step's greedy tokens change and are those of eager steps on the new weights. A step
+    that read stale weights would repeat the previous round's tokens."""
+    if device == "cpu":
+        request.getfixturevalue("eager_graphs")
+    policy = lora_policy().to(device)
+    copy = GenerationCopy(policy, torch.float32)
+    ids, mask = prompts(device=device)
+    config = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=[2])
+    previous = generate(copy.refresh(), ids, mask, config, "llama_static").completion_ids
+    numbers = torch.Generator().manual_seed(0)  # on the CPU: the same steps on every device
+    for moved in ("q_proj", "o_proj", "gate_proj", "down_proj"):
+        with torch.no_grad():
+            for name, param in policy.named_parameters():
+                if f"{moved}.lora_B" in name:
+                    param.add_(torch.randn(param.shape, generator=numbers).to(device))
+        copy.refresh()
+        replayed = generate(copy.model, ids, mask, config, "llama_static").completion_ids
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fixed_shape, "graphs_enabled", lambda device: False)
+            eager = generate(copy.model, ids, mask, config, "llama_static").completion_ids
+        assert torch.equal(replayed, eager), moved
+        assert not torch.equal(replayed, previous), moved
+        previous = replayed
+
+
+def test_a_weight_replaced_by_a_new_tensor_is_captured_again(eager_graphs):
+    model = tiny_llama().eval().requires_grad_(False)
+    ids, mask = prompts()
+    config = sampling()
+    decode_both(model, config, ids, mask)
+    down = model.model.layers[1].mlp.down_proj
+    down.weight = torch.nn.Parameter(torch.randn_like(down.weight), requires_grad=False)
+    loop, fixed = decode_both(model, config, ids, mask, seed=1)
+    assert_same_rollout(fixed, loop)
+    assert eager_graphs.captures == 2
+
+
+def test_a_failed_capture_names_the_setting_that_avoids_it(monkeypatch):
+    def capture(run_step, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
+    monkeypatch.setattr(fixed_shape, "capture", capture)
+    ids, mask = prompts()
+    with pytest.raises(
+        RuntimeError, match=r"CUDA graph failed \(operation not permitted.*generation_backend='llama'"
+    ):
+        generate(tiny_llama().eval(), ids, mask, sampling(), "llama_static")
+
+
+def test_joined_weights_are_rewritten_in_place():
+    q, k = torch.ones(2, 3), torch.zeros(1, 3)
+    joins = fixed_shape.JoinedWeights()
+    (qk,) = joins.join([(q, k)])
+    assert joins.join([(k,)]) == [k]  # a group of one is its weight
+    (again,) = joins.join([(q, k)])  # q/k's entry was dropped with the call that did not ask for it
+    k.add_(5)  # in place: the version counter moves
+    (after,) = joins.join([(q, k)])
+    assert after is again and after.data_ptr() == again.data_ptr() and after[2].tolist() == [5, 5, 5]
+    assert qk.tolist() == [[1, 1, 1], [1, 1, 1], [0, 0, 0]]  # a buffer once dropped keeps its values
+
+
+def test_the_buckets_and_the_processor_sequence():
+    assert [fixed_shape.bucket(n) for n in (1, 16, 17, 100, 256, 257)] == [16, 16, 32, 128, 256, 512]
+    assert [fixed_shape.bucket(n, least=1) for n in (1, 2, 3, 6, 8)] == [1, 2, 4, 8, 8]
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    sequence = fixed_shape.processor_sequence(ids, rows=4, width=5, new_tokens=2)
+    assert sequence.tolist() == [
+        [6, 6, 0, 5, 6, 6, 6],  # bucket padding and new-token columns repeat the last prompt token
+        [9, 9, 7, 8, 9, 9, 9],
+        [9, 9, 7, 8, 9, 9, 9],  # the bucket's spare rows copy the last row
+        [9, 9, 7, 8, 9, 9, 9],
+    ]
+
+
+def test_generation_backend_llama_static_is_a_choice_with_its_limits():
+    model = tiny_llama()
+    assert type(decoder_for(model, 3, "llama_static")) is StaticLlamaDecoder
+    assert type(decoder_for(model, 3)) is LlamaDecoder  # the CPU default: rows leave as they end
+    assert (
+        GRPOConfig(output_dir="unused", generation_backend="llama_static").generation_backend
+        == "llama_static"
+    )
+    processors = logits_processors(sampling(no_repeat_ngram_size=2, min_new_tokens=3))
+    with pytest.raises(
+        ValueError, match=r"\['no_repeat_ngram_size', 'min_new_tokens'\].*generation_backend='llama'"
+    ):
+        decoder_for(model, 3, "llama_static", processors)
+    assert type(decoder_for(model, 3, "auto", processors)) is LlamaDecoder
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("knobs", [{}, {"do_sample": False}, {"top_p": 0.9, "repetition_penalty": 1.2}])
+def test_cuda_graph_replay_equals_the_eager_steps(dtype, knobs, monkeypatch):
+    """On a GPU the fixed-shape decoder replays its step as a CUDA graph; the same steps run eagerly
+    give the same tokens and log-probs, round after round."""
+    model = tiny_llama().to("cuda", dtype).eval().requires_grad_(False)
+    ids, mask = prompts(device="cuda")
+    config = sampling(**knobs)
+    assert type(decoder_for(model, 16, "llama_static", logits_processors(config))) is StaticLlamaDecoder
+    for seed in range(3):  # the first round captures, the next ones replay
+        torch.manual_seed(seed)
+        replayed = generate(model, ids, mask, config, "llama_static")
+        with monkeypatch.context() as patch:
+            patch.setattr(fixed_shape, "graphs_enabled", lambda device: False)
+            torch.manual_seed(seed)
+            eager = generate(model, ids, mask, config, "llama_static")
+        assert_same_rollout(replayed, eager)
+    (state,) = fixed_shape.buffers_of(model).states.values()
+    assert len(state.graphs) == 1 and state.capture_seconds > 0
