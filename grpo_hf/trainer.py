@@ -62,7 +62,7 @@ from grpo_hf.episodes.environments import (
     check_reward_source,
     train_dataset_or_placeholder,
 )
-from grpo_hf.episodes.multi_turn import episode_counts, tool_episodes, tool_metrics
+from grpo_hf.episodes.multi_turn import trainer_tool_episodes
 from grpo_hf.episodes.rollout_func import RolloutFunc, call_rollout_func
 from grpo_hf.episodes.tools import Toolbox, check_tool_call_format
 from grpo_hf.models.policy import load_policy, model_init_kwargs, prepare_policy, reward_model_loading
@@ -323,7 +323,7 @@ class GRPOTrainer(Trainer):
             )
             columns.update(extra)
         elif self.toolbox is not None:
-            result, completions = self._tool_episodes(prompts, names)
+            result, completions = trainer_tool_episodes(self, prompts, names)
         else:
             result, completions = rollout.sample_completions(
                 prompts, self.processing_class, self.generate_completions, device, args.max_prompt_length,
@@ -342,34 +342,6 @@ class GRPOTrainer(Trainer):
         )  # fmt: skip
         extras = (logs.extra_rows, logs.metrics)
         return ScoredRound(result, prompts, completions, scores, errors, retried, seconds, *extras)
-
-    def _tool_episodes(
-        self, prompts: list[list[dict]], names: list | None
-    ) -> tuple[rollout.Rollout, list[list[dict]]]:
-        """Multi-turn episodes with each row's tools (of `self.environments[i]`, named `names[i]`)."""
-        args = self.args
-        result, messages, episodes = tool_episodes(
-            prompts,
-            self.toolbox.for_episodes(self.environments, len(prompts)),
-            [self.toolbox.schemas[name] for name in names or [None] * len(prompts)],
-            self.processing_class,
-            self.generate_completions,
-            max_prompt_length=args.max_prompt_length,
-            max_iterations=args.max_tool_calling_iterations,
-            max_completion_length=args.max_completion_length,
-            timeout=args.tool_timeout,
-            device=self.accelerator.device,
-            chat_template_kwargs=args.chat_template_kwargs,
-            pad_to_multiple_of=args.pad_to_multiple_of,
-            any_active=self.generator.any_active,
-        )
-        if self.environments is not None:  # an abandoned call may still be running on its environment
-            self.environment_pool.discard(
-                [e for e, ep in zip(self.environments, episodes, strict=True) if ep.timed_out]
-            )
-        counts = torch.tensor(episode_counts(episodes), device=self.accelerator.device)  # (4,)
-        self.record(tool_metrics(self.accelerator.gather(counts).view(-1, 4).sum(dim=0).tolist()))
-        return result, messages
 
     def _dynamically_sampled(self, first: ScoredRound) -> ScoredRound:
         """DAPO dynamic sampling: this process's share of a batch of groups that teach."""
