@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 START_COMMAND = (
     "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <the policy's model> "
@@ -23,10 +24,11 @@ START_COMMAND = (
 
 
 class VLLMClient:
-    """The server at `base_url`; `timeout`: seconds any one request may take."""
+    """The server at `base_url`; `timeout`: seconds any one request may take; `on_answer()` is called
+    after each answer (async GRPO's heartbeat)."""
 
-    def __init__(self, base_url: str, timeout: float):
-        self.base_url, self.timeout = base_url.rstrip("/"), timeout
+    def __init__(self, base_url: str, timeout: float, on_answer: Callable[[], None] | None = None):
+        self.base_url, self.timeout, self.on_answer = base_url.rstrip("/"), timeout, on_answer
         self._connections: set[http.client.HTTPConnection] = set()  # open now, for `abort`
         self._lock = threading.Lock()
         self.aborted = False
@@ -83,6 +85,8 @@ class VLLMClient:
                 f"it stopped. Start one: {START_COMMAND}; check vllm_server_base_url / vllm_server_host / "
                 "vllm_server_port; or set vllm_mode='colocate'."
             ) from error
+        if self.on_answer is not None:
+            self.on_answer()
         return json.loads(text) if text.strip() else {}
 
     def wait_until_up(self, total_timeout: float) -> None:
