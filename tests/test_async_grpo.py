@@ -2,6 +2,7 @@
 the overlap, staleness and drops, the metrics, exact resume, faults, and two processes. The real
 server is exercised by tests_vllm/."""
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -182,6 +183,26 @@ def test_evaluation_samples_from_the_synced_weights(tmp_path, server):
     trainer.train()
     assert len(logged(trainer, "eval_reward")) == 2
     assert sum(path == "/collective_rpc" for path, _ in server.requests) == 3  # initial + 2 syncs
+
+
+def test_async_reward_functions_are_awaited_on_the_generation_thread(tmp_path, server):
+    """An `async def` reward is awaited and a plain one called (on the generation thread), in this
+    process: closures, nothing pickled."""
+    called_on = set()
+
+    async def judged(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [len(c[0]["content"]) / 10 for c in completions]
+
+    def plain(completions, **kwargs):
+        called_on.add(threading.current_thread().name)
+        return length_reward(completions)
+
+    trainer = trainer_for(tmp_path, server.url, max_steps=2, reward=[judged, plain])
+    trainer.train()
+    assert called_on == {"grpo-async-rounds"}
+    assert len(logged(trainer, "reward/judged")) == 2
+    assert logged(trainer, "reward/judged") == logged(trainer, "reward/plain")  # the same lengths
 
 
 # ---- Staleness: drops -------------------------------------------------------------------------------
