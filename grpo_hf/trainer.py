@@ -7,7 +7,8 @@ orchestrates. One generation round, and where each step lives:
 - completions (`_prepare_inputs`, on the first of those micro-steps): one sampling call
   (`data.rollout.sample_completions` through the generator `engine.backends.build_generator`
   chose), multi-turn tool episodes (`episodes.multi_turn`, `episodes.tools`; environments:
-  `episodes.environments`) or the user's `episodes.rollout_func`;
+  `episodes.environments`) or the user's `episodes.rollout_func`; async GRPO (max_staleness >= 1):
+  sampled and scored ahead on a thread, from rows read ahead (`episodes.async_rounds`);
 - rewards: `rewards.scoring`; DAPO's dynamic sampling refills the batch with teaching groups
   (`episodes.dynamic_sampling`); group advantages over every process (`algorithm.advantages`);
 - the round's loss tensors and micro-batches (`data.batches`), old / reference log-probs once
@@ -37,6 +38,7 @@ from grpo_hf.algorithm.advantages import aggregate_rewards, batch_advantages
 from grpo_hf.algorithm.loss import adaptive_beta, dapo_normalizers, grpo_loss
 from grpo_hf.algorithm.masks import gather_ragged, policy_weights
 from grpo_hf.algorithm.sampler_correction import sampler_metrics
+from grpo_hf.config.async_grpo_config import trl_async_arguments
 from grpo_hf.config.grpo_config import GRPOConfig, default_output_dir
 from grpo_hf.data import rollout
 from grpo_hf.data.batches import (
@@ -56,6 +58,7 @@ from grpo_hf.engine import precision_line
 from grpo_hf.engine.backends import build_generator
 from grpo_hf.engine.generation import sampling_settings
 from grpo_hf.engine.logprobs import completion_logps
+from grpo_hf.episodes.async_rounds import async_rounds, stopping
 from grpo_hf.episodes.dynamic_sampling import ExtraRounds, gather_round, sample_teaching_groups
 from grpo_hf.episodes.environments import (
     EMPTY_PROMPT,
@@ -64,7 +67,7 @@ from grpo_hf.episodes.environments import (
     environment_pool,
     train_dataset_or_placeholder,
 )
-from grpo_hf.episodes.multi_turn import episode_counts, tool_episodes, tool_metrics
+from grpo_hf.episodes.multi_turn import trainer_tool_episodes
 from grpo_hf.episodes.rollout_func import RolloutFunc, call_rollout_func
 from grpo_hf.episodes.tools import Toolbox, check_tool_call_format
 from grpo_hf.models.policy import load_policy, model_init_kwargs, prepare_policy, reward_model_loading
@@ -162,6 +165,7 @@ class GRPOTrainer(Trainer):
             logger.warning(line)
         self._set_up_generation(processing_class)
         self._set_up_training_state(args)
+        self.async_rounds = async_rounds(self)  # async GRPO (max_staleness >= 1), a callback after the others
 
     def _set_rollout_sources(self, tools: list[Callable] | None, rollout_func: RolloutFunc | None) -> None:
         """What makes the completions besides the policy: tools (given, or the environments' methods)
@@ -229,6 +233,11 @@ class GRPOTrainer(Trainer):
             is_training=True,
         )
 
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """The Trainer's; async GRPO reads the rows ahead for its generation thread (`episodes.async_rounds`)."""
+        batches = self.async_rounds.ahead(epoch_iterator) if self.async_rounds else epoch_iterator
+        return super().get_batch_samples(batches, num_batches, device)
+
     def _get_eval_sampler(self, eval_dataset: Dataset) -> Sampler:
         return GroupSampler.for_evaluation(self.args, len(eval_dataset))
 
@@ -279,7 +288,8 @@ class GRPOTrainer(Trainer):
     def _generate_and_score(self, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
         """Generate, score and prepare one generation batch; return its micro-batches."""
         args = self.args
-        scored = self._sample_and_score(rows)
+        ahead = self.async_rounds and self.model.training  # async GRPO: sampled on its thread already
+        scored = self.async_rounds.take() if ahead else self._sample_and_score(rows)
         if args.dynamic_sampling and self.model.training:
             scored = self._dynamically_sampled(scored)
         all_rewards = self.accelerator.gather(scored.rewards_per_func)  # (N, F) every process's
@@ -307,8 +317,9 @@ class GRPOTrainer(Trainer):
             for part, normalizer in zip(parts, normalizers, strict=True)
         ]
 
-    def _sample_and_score(self, rows: list[dict]) -> ScoredRound:
-        """Generate one completion per row (rows repeat each prompt G times) and score them."""
+    def _sample_and_score(self, rows: list[dict], generate: Callable | None = None) -> ScoredRound:
+        """Generate one completion per row (rows repeat each prompt G times; `generate` replaces
+        `generate_completions`) and score them."""
         args, device = self.args, self.accelerator.device
         prompts = [row.get("prompt", EMPTY_PROMPT) for row in rows]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
@@ -323,10 +334,10 @@ class GRPOTrainer(Trainer):
             )
             columns.update(extra)
         elif self.toolbox is not None:
-            result, completions = self._tool_episodes(prompts, names)
+            result, completions = trainer_tool_episodes(self, prompts, names)
         else:
             result, completions = rollout.sample_completions(
-                prompts, self.processing_class, self.generate_completions, device, args.max_prompt_length,
+                prompts, self.processing_class, generate or self.generate_completions, device, args.max_prompt_length,
                 args.chat_template_kwargs, args.pad_to_multiple_of,
             )  # fmt: skip
         result = padded_to_multiple(result, args.pad_to_multiple_of, self.processing_class.pad_token_id)
@@ -342,32 +353,6 @@ class GRPOTrainer(Trainer):
         )  # fmt: skip
         extras = (logs.extra_rows, logs.metrics)
         return ScoredRound(result, prompts, completions, scores, errors, retried, seconds, *extras)
-
-    def _tool_episodes(
-        self, prompts: list[list[dict]], names: list | None
-    ) -> tuple[rollout.Rollout, list[list[dict]]]:
-        """Multi-turn episodes with each row's tools (of `self.environments[i]`, named `names[i]`)."""
-        args = self.args
-        result, messages, episodes = tool_episodes(
-            prompts,
-            self.toolbox.for_episodes(self.environments, len(prompts)),
-            [self.toolbox.schemas[name] for name in names or [None] * len(prompts)],
-            self.processing_class,
-            self.generate_completions,
-            max_prompt_length=args.max_prompt_length,
-            max_iterations=args.max_tool_calling_iterations,
-            max_completion_length=args.max_completion_length,
-            timeout=args.tool_timeout,
-            device=self.accelerator.device,
-            chat_template_kwargs=args.chat_template_kwargs,
-            pad_to_multiple_of=args.pad_to_multiple_of,
-            any_active=self.generator.any_active,
-        )
-        if self.environments is not None:  # an abandoned call may still be running on its environment
-            self.environment_pool.discard_timed_out(self.environments, episodes)
-        counts = torch.tensor(episode_counts(episodes), device=self.accelerator.device)  # (4,)
-        self.record(tool_metrics(self.accelerator.gather(counts).view(-1, 4).sum(dim=0).tolist()))
-        return result, messages
 
     def _dynamically_sampled(self, first: ScoredRound) -> ScoredRound:
         """DAPO dynamic sampling: this process's share of a batch of groups that teach."""
@@ -429,7 +414,8 @@ class GRPOTrainer(Trainer):
         sampling = (
             self.sampling if max_new_tokens is None else self.sampling.with_max_new_tokens(max_new_tokens)
         )
-        return self.generator.generate(prompt_ids, prompt_mask, sampling, self.state.global_step)
+        version = self.async_rounds.version if self.async_rounds else self.state.global_step  # async: synced
+        return self.generator.generate(prompt_ids, prompt_mask, sampling, version)
 
     # ---- Loss ---------------------------------------------------------------------------------
 
@@ -560,6 +546,8 @@ class GRPOTrainer(Trainer):
         run_dir = self._get_output_dir(trial)
         folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
         round_rest = self._buffer if self._micro_step % self.round_length else None
+        if self.async_rounds:
+            self.async_rounds.save(folder)
         complete_checkpoint(
             folder, self.accelerator, self._grpo_state() if self.args.should_save else None, round_rest
         )
@@ -580,7 +568,9 @@ class GRPOTrainer(Trainer):
                 self.round_length,
             )
             self._load_grpo_state(state)
-        with self.interrupt.catching_signals():
+            if self.async_rounds:
+                self.async_rounds.load(resume_from_checkpoint)
+        with self.interrupt.catching_signals(), stopping(self.async_rounds):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _grpo_state(self) -> dict:
@@ -597,3 +587,13 @@ class GRPOTrainer(Trainer):
         self.beta, self._round_kl = state["beta"], state["round_kl"]
         self.extra_rounds.position = state.get("extra_prompts", 0)  # absent in checkpoints older than it
         self.entropy_control.load_state_dict(state.get("entropy", self.entropy_control.state_dict()))
+
+
+class AsyncGRPOTrainer(GRPOTrainer):
+    """TRL 1.18's `AsyncGRPOTrainer`: `GRPOTrainer` (the same loop) for async GRPO, taking TRL's arguments
+    in TRL's order (model, reward_funcs, args, train_dataset, processing_class, callbacks, optimizers,
+    tools, environment_factory), then GRPOTrainer's by name; args default to an `AsyncGRPOConfig`
+    and must have max_staleness >= 1 (README, 'Async GRPO')."""
+
+    def __init__(self, *positional: object, **named: object):
+        super().__init__(**trl_async_arguments(positional, named))

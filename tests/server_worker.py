@@ -1,12 +1,13 @@
 """One process of a 2-process run against a vLLM(-like) server; launched by `accelerate launch`.
 
-    python tests/server_worker.py <server url> <output folder> tools|full
+    python tests/server_worker.py <server url> <output folder> tools|full|async
 
 tools: each process runs a tool episode on its own rows (process 0's rows call the tool, so it
 takes two turns while process 1's take one) and writes its episodes' messages to
 <output>/process-<i>.json; then both train one step. full: full fine-tuning for two steps (under
-FSDP2 or ZeRO-3 the weights sent to the server are gathered from the shards). Used by
-tests/test_vllm_server.py against a fake server.
+FSDP2 or ZeRO-3 the weights sent to the server are gathered from the shards). async: async GRPO
+(max_staleness=1) for four steps; each process writes its log history to <output>/log-<i>.json.
+Used by tests/test_vllm_server.py and tests/test_async_grpo.py against a fake server.
 """
 
 import json
@@ -33,6 +34,8 @@ def add(a: int, b: int) -> int:
 def main(url: str, output: Path, mode: str) -> None:
     force_fsdp_on_cpu()
     settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, max_completion_length=128)
+    if mode == "async":
+        settings |= dict(max_staleness=1, max_steps=4)
     trainer = GRPOTrainer(
         model=tiny_llama(),
         reward_funcs=length_reward,
@@ -40,15 +43,17 @@ def main(url: str, output: Path, mode: str) -> None:
             output,
             per_device_train_batch_size=4,
             num_generations=2,
-            max_steps=1 if mode == "tools" else 2,
-            **settings,
+            **({"max_steps": 1 if mode == "tools" else 2} | settings),
         ),
-        train_dataset=chat_dataset(4),
+        train_dataset=chat_dataset(16 if mode == "async" else 4),
         processing_class=tiny_tokenizer(),
         tools=[add] if mode == "tools" else None,
     )
-    if mode == "full":
+    if mode in ("full", "async"):
         trainer.train()
+        if mode == "async":
+            log = json.dumps(trainer.state.log_history)
+            (output / f"log-{trainer.accelerator.process_index}.json").write_text(log)
         return
     index = trainer.accelerator.process_index
     rows = [trainer.train_dataset[i] for i in (2 * index, 2 * index, 2 * index + 1, 2 * index + 1)]

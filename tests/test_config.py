@@ -35,6 +35,20 @@ def make(tmp_path, **kwargs) -> GRPOConfig:
         ({"entropy_coef": -0.1, "use_adaptive_entropy": True}, ["entropy_coef", "use_adaptive_entropy"]),
         ({"model_init_kwargs": "dtype=bfloat16"}, ["model_init_kwargs", "JSON"]),
         ({"auto_find_batch_size": True}, ["auto_find_batch_size", "per_device_train_batch_size"]),
+        # async GRPO: generation on a vLLM server, whole rounds in the queue, its own settings only with it
+        ({"max_staleness": 1}, ["max_staleness", "use_vllm=True", "vllm_mode='server'"]),
+        ({"max_staleness": -1}, ["max_staleness"]),
+        ({"weight_sync_steps": 2}, ["weight_sync_steps", "max_staleness"]),
+        ({"max_inflight_tasks": 0}, ["max_inflight_tasks"]),
+        ({"heartbeat_stale_after_s": 0}, ["heartbeat_stale_after_s"]),
+        (
+            {"max_staleness": 1, "use_vllm": True, "vllm_mode": "server", "queue_maxsize": 4},
+            ["queue_maxsize", "generation_batch_size=8"],
+        ),
+        (
+            {"max_staleness": 1, "use_vllm": True, "vllm_mode": "server", "dynamic_sampling": True},
+            ["dynamic_sampling", "max_staleness"],
+        ),
         # evaluation with fewer completions per prompt: its batch must hold whole groups of those
         (
             {"per_device_eval_batch_size": 4, "num_generations_eval": 3, "eval_strategy": "steps"},
@@ -88,6 +102,7 @@ def test_defaults(tmp_path):
     assert config.multi_objective_aggregation == "sum_then_normalize"
     assert config.num_completions_to_print is None  # TRL's: print every completion of the table
     assert config.log_multimodal and not config.log_unique_prompts and config.log_completions_hub_repo is None
+    assert config.max_staleness == 0 and config.weight_sync_steps == 1  # synchronous training
 
 
 @pytest.mark.parametrize(

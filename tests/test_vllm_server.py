@@ -4,6 +4,7 @@ tests_vllm/ (run with the vLLM environment)."""
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -117,6 +118,30 @@ def test_a_slow_server_is_a_timeout_and_a_dead_one_a_connection_error(server):
     server.delay, server.die_after = 0.0, 0
     with pytest.raises(ConnectionError, match="it stopped"):
         client.complete({"prompt": [1], "n": 1, "max_tokens": 2, "seed": 0})
+
+
+def test_abort_ends_the_requests_in_flight_at_once_and_refuses_new_ones(server):
+    """A request waiting on a slow server (5 s) ends within a second of `abort`, as a ConnectionError."""
+    client, body = VLLMClient(server.url, timeout=30.0), {"prompt": [1], "n": 1, "max_tokens": 2, "seed": 0}
+    server.delay = 5.0
+    outcome = []
+
+    def request():
+        try:
+            client.complete(body)
+        except Exception as error:
+            outcome.append(error)
+
+    waiting = threading.Thread(target=request)
+    waiting.start()
+    time.sleep(0.5)  # the request is in flight
+    start = time.monotonic()
+    client.abort()
+    waiting.join(timeout=5.0)
+    assert not waiting.is_alive() and time.monotonic() - start < 1.0
+    assert isinstance(outcome[0], ConnectionError)
+    with pytest.raises(ConnectionError, match="aborted"):
+        client.complete(body)
 
 
 def test_a_server_without_dev_mode_or_with_raw_logprobs_is_refused(tmp_path, server):

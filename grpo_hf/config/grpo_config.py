@@ -2,10 +2,10 @@
 
 The settings come in sections, each a dataclass `GRPOConfig` inherits with its own checks:
 `config_rollout` (data, sampling, batch geometry, rewards, dynamic sampling, tools), `config_loss`
-(the policy term, importance sampling, KL) and `config_generation` (the generation backend: vLLM,
-transformers' generate, generation_kwargs). This file holds the TrainingArguments defaults GRPO
-overrides, the model-loading, speed and logging settings, and `__post_init__`, which resolves and
-checks them in order.
+(the policy term, importance sampling, KL), `config_generation` (the generation backend: vLLM,
+transformers' generate, generation_kwargs) and `async_args` (async GRPO: max_staleness). This file
+holds the TrainingArguments defaults GRPO overrides, the model-loading, speed and logging settings,
+and `__post_init__`, which resolves and checks them in order.
 """
 
 import logging
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
+from grpo_hf.config.async_args import AsyncArguments
 from grpo_hf.config.checks import check_choices, check_dicts, check_ranges
 from grpo_hf.config.generation_args import GenerationBackendArguments
 from grpo_hf.config.loss_args import (
@@ -47,9 +48,11 @@ GENERATION_BACKENDS = (*DECODERS, "vllm")
 
 
 @dataclass
-class GRPOConfig(TrainingArguments, GenerationBackendArguments, LossArguments, RolloutArguments):
+class GRPOConfig(
+    TrainingArguments, AsyncArguments, GenerationBackendArguments, LossArguments, RolloutArguments
+):
     """Training arguments for `GRPOTrainer`; every GRPO field carries its help text, here or in its
-    section (`config_rollout`, `config_loss`, `config_generation`)."""
+    section (`config_rollout`, `config_loss`, `config_generation`, `async_args`)."""
 
     # Fields that also take a JSON object string (the command line and YAML configs pass strings).
     _VALID_DICT_FIELDS = [
@@ -211,6 +214,7 @@ class GRPOConfig(TrainingArguments, GenerationBackendArguments, LossArguments, R
         self.check_generation_settings()  # first: it resolves use_vllm, which the loss checks read
         self.check_loss_combinations()
         self._resolve_generation_batch()
+        self.check_async_settings()
         if self.eval_strategy != "no" or self.do_eval:
             self.check_eval_batch()
 
@@ -274,8 +278,8 @@ class GRPOConfig(TrainingArguments, GenerationBackendArguments, LossArguments, R
             logger.warning(warning)
 
 
-def default_output_dir(model: object) -> str:
-    """TRL's output_dir when GRPOTrainer gets no args: '<model name>-GRPO' (the last part of a model id
-    or path, or of a model object's `name_or_path`)."""
+def default_output_dir(model: object, trainer: str = "GRPO") -> str:
+    """TRL's output_dir when a trainer gets no args: '<model name>-<trainer>' (the last part of a model
+    id or path, or of a model object's `name_or_path`)."""
     name = model if isinstance(model, str) else getattr(model, "name_or_path", "") or type(model).__name__
-    return f"{str(name).rstrip('/').split('/')[-1]}-GRPO"
+    return f"{str(name).rstrip('/').split('/')[-1]}-{trainer}"

@@ -8,7 +8,7 @@ completion with no EOS within `max_completion_length` is flagged as truncated.
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from torch import nn
@@ -221,3 +221,13 @@ class ScoredRound:
     seconds: float  # generation time (this process's)
     extra_rows: list[dict]  # per row: the columns reward functions logged with log_extra
     logged_metrics: dict[str, list[float]]  # what reward functions logged with log_metric (this process's)
+
+    def state(self) -> dict:
+        """Plain data (tensors, lists, dicts, str, numbers) for a checkpoint (`torch.load(...,
+        weights_only=True)` reads it back); `from_state` rebuilds the round."""
+        state = {field.name: getattr(self, field.name) for field in fields(self)}
+        return state | {"result": asdict(self.result), "logged_metrics": dict(self.logged_metrics)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "ScoredRound":
+        return cls(**{**state, "result": Rollout(**state["result"])})

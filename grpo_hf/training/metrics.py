@@ -140,7 +140,7 @@ class StepTimer(TrainerCallback):
 
 
 # Logged as counts per logging interval (the same on every process), not as means of their records.
-COUNTED_METRICS = frozenset({"nonfinite_steps_skipped"})
+COUNTED_METRICS = frozenset({"nonfinite_steps_skipped", "sample/dropped_stale_total"})
 # Logged as the largest / smallest record of the interval over every process.
 MAXED_METRICS = frozenset(
     {
@@ -148,6 +148,7 @@ MAXED_METRICS = frozenset(
         "clip_ratio/high_max",
         "sampling/sampling_logp_difference/max",
         "sampling/importance_sampling_ratio/max",
+        "sample/staleness_max",
     }
 )
 MINNED_METRICS = frozenset({"clip_ratio/low_min", "sampling/importance_sampling_ratio/min"})

@@ -4,13 +4,18 @@ Endpoints: `/health`, `/v1/completions` (token ids in, token ids and log-probs o
 development ones a server exposes with `VLLM_SERVER_DEV_MODE=1`: `/server_info`,
 `/collective_rpc` (reload_weights), `/reset_prefix_cache`; `/get_world_size` for NCCL.
 Standard library only, so a trainer that only talks to a server needs no vLLM installed.
+`abort()` ends a client's requests in flight at once (async GRPO's generation thread stops within
+seconds, not after a request's timeout).
 """
 
 import http.client
 import json
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 START_COMMAND = (
     "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <the policy's model> "
@@ -19,10 +24,29 @@ START_COMMAND = (
 
 
 class VLLMClient:
-    """The server at `base_url`; `timeout`: seconds any one request may take."""
+    """The server at `base_url`; `timeout`: seconds any one request may take; `on_answer()` is called
+    after each answer (async GRPO's heartbeat)."""
 
-    def __init__(self, base_url: str, timeout: float):
-        self.base_url, self.timeout = base_url.rstrip("/"), timeout
+    def __init__(self, base_url: str, timeout: float, on_answer: Callable[[], None] | None = None):
+        self.base_url, self.timeout, self.on_answer = base_url.rstrip("/"), timeout, on_answer
+        self._connections: set[http.client.HTTPConnection] = set()  # open now, for `abort`
+        self._lock = threading.Lock()
+        self.aborted = False
+        tracked = (
+            _tracked(handler, self) for handler in (urllib.request.HTTPHandler, urllib.request.HTTPSHandler)
+        )
+        self._opener = urllib.request.build_opener(*tracked)
+
+    def abort(self) -> None:
+        """End every request in flight (it raises ConnectionError) and refuse new ones."""
+        with self._lock:
+            self.aborted = True
+            for connection in self._connections:
+                if connection.sock is not None:
+                    try:
+                        connection.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass  # already closed
 
     def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
         """One request; the JSON answer ({} for an empty one). Raises ConnectionError (no server, or it
@@ -32,8 +56,12 @@ class VLLMClient:
         request = urllib.request.Request(
             self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
         )
+        if self.aborted:
+            raise ConnectionError(
+                f"The requests of this client to {self.base_url} were aborted (the run is stopping)."
+            )
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
+            with self._opener.open(request, timeout=timeout) as response:
                 text = response.read().decode()
         except urllib.error.HTTPError as error:
             detail = error.read().decode(errors="replace")[:500]
@@ -57,6 +85,8 @@ class VLLMClient:
                 f"it stopped. Start one: {START_COMMAND}; check vllm_server_base_url / vllm_server_host / "
                 "vllm_server_port; or set vllm_mode='colocate'."
             ) from error
+        if self.on_answer is not None:
+            self.on_answer()
         return json.loads(text) if text.strip() else {}
 
     def wait_until_up(self, total_timeout: float) -> None:
@@ -104,3 +134,27 @@ class VLLMClient:
     def world_size(self) -> int:
         """The server's workers (tensor x pipeline x data parallel)."""
         return int(self.request("GET", "/get_world_size")["world_size"])
+
+
+def _tracked(handler: type, client: VLLMClient) -> urllib.request.BaseHandler:
+    """`handler` (urllib's HTTP or HTTPS handler) with each connection it opens registered with
+    `client` until its answer has come (what follows is a read of bytes already sent), so that
+    `client.abort()` can shut its socket down."""
+
+    class Tracked(handler):
+        def do_open(self, http_class, request, **kwargs):
+            made = []
+
+            def connection(*args, **kw):
+                made.append(http_class(*args, **kw))
+                with client._lock:
+                    client._connections.add(made[-1])
+                return made[-1]
+
+            try:
+                return super().do_open(connection, request, **kwargs)
+            finally:
+                with client._lock:
+                    client._connections.difference_update(made)
+
+    return Tracked()

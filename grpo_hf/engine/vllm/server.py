@@ -9,6 +9,10 @@ sent by process 0 (`weights.FileWeights` or `weights.NcclWeights`), then the pre
 
 Whatever process 0 meets (no server, a timeout, a refusal) reaches every process as the same error
 (`_on_main`), so no process waits forever for a peer that has failed.
+
+`generate_alone` is the one call that is not collective: a process's own rows, sent by that
+process, from whatever weights the server holds (async GRPO's generation thread, which must issue
+no collective while the training thread does; `episodes.async_rounds`).
 """
 
 from collections.abc import Callable
@@ -114,25 +118,60 @@ class ServerGenerator(Generator):
 
     def _complete(self, everyone: list[list[list[int]]], sampling: Sampling) -> list[Samples]:
         """Every process's rows -> one request per distinct prompt -> every process's samples."""
-        prompts, counts, slots = plan_prompts([row for rows in everyone for row in rows])
-        bodies = [
-            {
-                "prompt": prompt,
-                "return_token_ids": True,
-                **sampling_fields(
-                    sampling,
-                    n,
-                    request_seed(sampling.seed, self.version, self.calls, k),
-                    self.args.vllm_structured_outputs_regex,
-                ),
-            }
-            for k, (prompt, n) in enumerate(zip(prompts, counts, strict=True))
-        ]
-        with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), 32))) as pool:
-            answers = list(pool.map(self.client.complete, bodies))
-        per_row = samples_for_rows([_samples(a, n) for a, n in zip(answers, counts, strict=True)], slots)
-        starts = [sum(len(rows) for rows in everyone[:p]) for p in range(len(everyone))]
-        return [per_row[start : start + len(rows)] for start, rows in zip(starts, everyone, strict=True)]
+        return complete_rows(
+            self.client,
+            everyone,
+            sampling,
+            lambda k: request_seed(sampling.seed, self.version, self.calls, k),
+            self.args.vllm_structured_outputs_regex,
+            max_requests=32,
+        )
+
+    def generate_alone(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        sampling: Sampling,
+        version: int,
+        call: int,
+        client: VLLMClient,
+        max_requests: int,
+    ) -> Rollout:
+        """This process's (B, P) rows through `client`, no collective and no weight update: from the
+        weights the server holds (policy `version`). Request seeds come from (version, `call`, the
+        request's place, this process), at most `max_requests` requests at once."""
+        process, processes = self.accelerator.process_index, self.accelerator.num_processes
+        samples = complete_rows(
+            client,
+            [prompt_rows(prompt_ids, prompt_mask)],
+            sampling,
+            lambda k: request_seed(sampling.seed, version, call, k * processes + process),
+            self.args.vllm_structured_outputs_regex,
+            max_requests,
+        )[0]
+        return rollout_from_samples(prompt_ids, prompt_mask, samples, sampling)
+
+
+def complete_rows(
+    client: VLLMClient,
+    everyone: list[list[list[int]]],
+    sampling: Sampling,
+    seed: Callable[[int], int],
+    regex: str | None,
+    max_requests: int,
+) -> list[Samples]:
+    """Each process's prompt rows -> one request per distinct prompt (request k seeded `seed(k)`, at
+    most `max_requests` at once) -> each process's samples."""
+    prompts, counts, slots = plan_prompts([row for rows in everyone for row in rows])
+    bodies = [
+        {"prompt": prompt, "return_token_ids": True, **sampling_fields(sampling, n, seed(k), regex)}
+        for k, (prompt, n) in enumerate(zip(prompts, counts, strict=True))
+    ]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), max_requests))) as pool:
+        answers = list(pool.map(client.complete, bodies))
+    per_row = samples_for_rows([_samples(a, n) for a, n in zip(answers, counts, strict=True)], slots)
+    starts = [sum(len(rows) for rows in everyone[:p]) for p in range(len(everyone))]
+    return [per_row[start : start + len(rows)] for start, rows in zip(starts, everyone, strict=True)]
 
 
 def _samples(answer: dict, n: int) -> Samples:

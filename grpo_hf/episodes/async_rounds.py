@@ -1,0 +1,285 @@
+"""Async GRPO: the next generation rounds are sampled on a vLLM server while the trainer trains
+(TRL's `AsyncGRPOTrainer`; verl's one-step-off-policy pipeline), on with `max_staleness >= 1`.
+
+A round flows as in synchronous training, each process with its own share of the rows:
+
+- rows: the trainer's dataloader is read ahead (`AsyncRounds.ahead`, inside the Trainer's
+  `get_batch_samples`, on the training thread), so the data order stays the sampler's, each prompt
+  once. A round's rows are read as soon as the round is trained in the current sync interval or the
+  next one (and `queue_maxsize` has room), and go to the generation thread tagged with the policy
+  version the server holds then;
+- the generation thread (one per process) samples and scores the rounds in order
+  (`GRPOTrainer._sample_and_score` through `ServerGenerator.generate_alone`: HTTP from this
+  process alone; reward functions, async ones and reward models in this process, as in
+  synchronous training). It issues no collective: every torch.distributed call stays on the
+  training thread;
+- the training thread takes each round when it starts it (`take`: perf/rollout_wait_s) and
+  prepares it as always (advantages over every process, micro-batches, old log-probs). Every
+  weight_sync_steps optimizer steps (`on_step_end`) it waits for the rounds the thread was given,
+  then sends the weights (`ServerGenerator.load_policy`): the next policy version.
+
+Every round comes from one policy version, fixed when its rows are read, and is trained within
+the next sync interval: its staleness (the trainer's version when it takes the round minus the
+round's) is 0 or 1. Going further ahead would not overlap more (the server holds one set of
+weights, so the rounds of version v are generated between syncs v and v + 1 whatever their
+distance), only add staleness. The schedule depends on the step count, not on timing: with a
+server that samples deterministically per request seed, runs are reproducible, and a checkpoint
+(taken once the thread has finished every round it was given: `save`) holds the rounds not trained
+on yet with their versions and the version counter, so a resumed run continues as if never
+stopped (when checkpoints fall on sync steps). A round older than max_staleness (a queue restored
+under other settings) is dropped, counted (sample/dropped_stale_total) and sampled again, so no
+prompt is lost. TRL's worker instead streams with whatever weights are current and drops what
+is too old: timing decides the versions, and dropped prompts are lost.
+
+The thread and its faults (an error reaches the training thread at its next wait, on every
+process at once; `stop` aborts the requests in flight and joins it): `episodes.round_queue`.
+"""
+
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import TrainerCallback
+
+from grpo_hf.data.rollout import ScoredRound
+from grpo_hf.engine.vllm.client import VLLMClient
+from grpo_hf.episodes.round_queue import Round, RoundQueue
+from grpo_hf.rewards.scoring import RewardModel
+
+logger = logging.getLogger(__name__)
+
+ASYNC_FILE = "grpo_async_{}.pt"  # per process: the version counter and the rounds not trained on yet
+
+
+@dataclass(frozen=True)
+class AsyncSettings:
+    """What the schedule needs from the run's settings."""
+
+    max_staleness: int
+    weight_sync_steps: int
+    queue_rounds: int  # rounds generated ahead at most (queue_maxsize // generation_batch_size)
+    round_length: int  # micro-steps fed by one round
+    gradient_accumulation_steps: int
+    generation_batch_size: int  # completions of a round over every process
+
+
+class AsyncRounds(TrainerCallback):
+    """Which rounds the generation thread makes, from which version, and the weight syncs (see the
+    module docstring)."""
+
+    def __init__(
+        self,
+        settings: AsyncSettings,
+        queue: RoundQueue,
+        sync_weights: Callable[[int], None],
+        new_client: Callable[[], VLLMClient],
+        record: Callable[[dict[str, float]], None],
+    ):
+        """`sync_weights(version)` sends the policy's weights to the server as `version` (collective);
+        `new_client()` a client for the thread's requests; `record` takes metric values."""
+        self.settings, self.queue, self.record = settings, queue, record
+        self._sync_weights, self._new_client = sync_weights, new_client
+        self.version = 0  # policy versions sent to the server so far (0: the initial weights)
+        self._read: deque = deque()  # micro-batches read ahead, not handed to the Trainer yet
+        self._next_read = 0  # micro-step index of the next micro-batch to read
+        self._next_take = 0  # index of the next round the trainer takes
+        self._state = None  # the Trainer's state (global_step, max_steps), from on_train_begin
+
+    # ---- Rows: the dataloader read ahead (training thread) --------------------------------------
+
+    def ahead(self, batches: Iterator) -> Iterator:
+        """The Trainer's micro-batches from `batches`, read ahead: each round's rows go to the thread
+        as soon as the schedule allows (`_may_read`)."""
+        while True:
+            self._read_ahead(batches)
+            if not self._read:
+                return
+            yield self._read.popleft()
+
+    def _read_ahead(self, batches: Iterator) -> None:
+        while not self._read or self._may_read(self._next_read):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            index, self._next_read = self._next_read, self._next_read + 1
+            self._read.append(batch)
+            if index % self.settings.round_length == 0:
+                self._give(index // self.settings.round_length, batch)
+
+    def _may_read(self, index: int) -> bool:
+        """Whether micro-batch `index` may be read before the Trainer needs it: within max_steps, and
+        a round's first one only when the round is trained before the second sync from now and
+        fewer than queue_rounds rounds wait."""
+        settings, steps = self.settings, self._state.global_step
+        taken_at = index // settings.gradient_accumulation_steps  # optimizer steps done when it is trained
+        if taken_at >= self._state.max_steps:
+            return False
+        if index % settings.round_length:
+            return True  # the rest of a round already read
+        syncs = taken_at // settings.weight_sync_steps - steps // settings.weight_sync_steps
+        return syncs <= 1 and len(self.queue.rounds) < settings.queue_rounds
+
+    def _give(self, index: int, rows: list[dict]) -> None:
+        """Round `index` to the thread, from the weights the server holds now; a round restored from a
+        checkpoint only gets its rows back."""
+        restored = self.queue.rounds.get(index)
+        if restored is not None:
+            restored.rows = rows
+        else:
+            self.queue.give(index, rows, self.version)
+
+    # ---- Rounds in, weights out (training thread) ----------------------------------------------
+
+    def take(self) -> ScoredRound:
+        """The next round, sampled and scored (this process's rows), once the thread has made it; a round
+        older than max_staleness is sampled again from the current weights. Every process calls it,
+        at the start of each round."""
+        start = time.perf_counter()
+        taken = self.queue.take(self._next_take)
+        self._next_take += 1
+        staleness = self.version - taken.version
+        if staleness > self.settings.max_staleness:
+            taken = self._again(taken, staleness)
+            staleness = 0
+        scored = taken.scored
+        self.record(
+            {
+                "perf/rollout_wait_s": time.perf_counter() - start,
+                "sample/staleness_mean": float(staleness),
+                "sample/staleness_max": float(staleness),
+                "sample/rollout_queue_size": float(
+                    self.queue.waiting() * self.queue.accelerator.num_processes
+                ),
+                "rollout/generated_tok_s": float(scored.result.completion_mask.sum())
+                / max(scored.seconds, 1e-9),
+            }
+        )
+        return scored
+
+    def _again(self, stale: Round, staleness: int) -> Round:
+        """`stale`, dropped (sample/dropped_stale_total counts its completions on every process) and
+        sampled again from the current weights, first in the thread's line."""
+        self.record({"sample/dropped_stale_total": float(self.settings.generation_batch_size)})
+        logger.warning(
+            "Round %d was sampled from policy version %d, %d versions before this one (max_staleness=%d): "
+            "dropped, and its prompts sampled again.",
+            stale.index, stale.version, staleness, self.settings.max_staleness,
+        )  # fmt: skip
+        self.queue.give(stale.index, stale.rows, self.version, first=True)
+        return self.queue.take(stale.index)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """Send the policy (the initial weights, or a checkpoint's) as the current version, then start
+        the thread; reading ahead starts at the Trainer's micro-step."""
+        self._state, length = state, self.settings.round_length
+        self._next_read = state.global_step * args.gradient_accumulation_steps
+        self._next_take = -(-self._next_read // length)  # a round started before a checkpoint is in it
+        self._sync_weights(self.version)
+        self.queue.start(self._new_client())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """Every weight_sync_steps steps: the next version to the server. Before it, and before a
+        checkpoint or an evaluation, the thread finishes the rounds it was given."""
+        syncing = state.global_step % self.settings.weight_sync_steps == 0
+        if syncing or control.should_save or control.should_evaluate:
+            self.queue.drain()
+        if syncing:
+            start = time.perf_counter()
+            self._sync_weights(self.version + 1)
+            self.version += 1
+            self.record({"perf/weight_sync_s": time.perf_counter() - start})
+
+    def stop(self) -> None:
+        """Stop the thread; forget what was read ahead (a checkpoint holds the rounds made)."""
+        self.queue.stop()
+        self._read.clear()
+
+    # ---- Checkpoints -----------------------------------------------------------------------------
+
+    def save(self, folder: str) -> None:
+        """Write this process's rounds not trained on yet and the version counter into a checkpoint
+        folder (temp file, then rename), once the thread has made every round it was given."""
+        self.queue.drain()
+        path = os.path.join(folder, ASYNC_FILE.format(self.queue.accelerator.process_index))
+        torch.save({"version": self.version, "rounds": self.queue.state()}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def load(self, folder: str) -> None:
+        """Restore what `save` wrote; a checkpoint of synchronous training has none: version 0."""
+        accelerator = self.queue.accelerator
+        path = os.path.join(folder, ASYNC_FILE.format(accelerator.process_index))
+        state = {"version": 0, "rounds": []}
+        if os.path.isfile(path):
+            state = torch.load(path, map_location=accelerator.device, weights_only=True)
+        self.version = state["version"]
+        self.queue.load_state(state["rounds"])
+
+
+@contextlib.contextmanager
+def stopping(rounds: AsyncRounds | None) -> Iterator[None]:
+    """Stop the generation thread however training ends."""
+    try:
+        yield
+    finally:
+        if rounds is not None:
+            rounds.stop()
+
+
+def async_rounds(trainer) -> AsyncRounds | None:
+    """The trainer's async rounds, registered as its callback; None with max_staleness=0. Refuses at
+    construction what the generation thread cannot run yet, naming the setting."""
+    args = trainer.args
+    if args.max_staleness == 0:
+        return None
+    sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
+    refused = [
+        (trainer.toolbox is not None, "tools (multi-turn tool episodes)"),
+        (trainer.environment_pool is not None, "environment_factory"),
+        (trainer.rollout_func is not None, "rollout_func"),
+        (
+            sharded and any(isinstance(f, RewardModel) for f in trainer.reward_funcs),
+            "a reward model under FSDP / DeepSpeed (its forward is collective)",
+        ),
+    ]
+    for refused_now, what in refused:
+        if refused_now:
+            raise ValueError(
+                f"{what} does not run with async GRPO (max_staleness={args.max_staleness}) yet: its generation "
+                "thread samples plain completions only. Set max_staleness=0 (synchronous training)."
+            )
+    generator, sampling = trainer.generator, trainer.sampling
+    max_requests = 32 if args.max_inflight_tasks == -1 else args.max_inflight_tasks
+
+    def produce(index: int, rows: list[dict], version: int, client: VLLMClient) -> ScoredRound:
+        def generate(prompt_ids, prompt_mask, max_new_tokens=None):
+            used = sampling if max_new_tokens is None else sampling.with_max_new_tokens(max_new_tokens)
+            return generator.generate_alone(
+                prompt_ids, prompt_mask, used, version, index, client, max_requests
+            )
+
+        return trainer._sample_and_score(rows, generate)
+
+    def sync_weights(version: int) -> None:
+        generator.load_policy()
+        generator.version, generator.calls = version, 0
+
+    settings = AsyncSettings(
+        max_staleness=args.max_staleness,
+        weight_sync_steps=args.weight_sync_steps,
+        queue_rounds=args.queue_maxsize // args.generation_batch_size,
+        round_length=trainer.round_length,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        generation_batch_size=args.generation_batch_size,
+    )
+    queue = RoundQueue(trainer.accelerator, produce, args.heartbeat_stale_after_s)
+    client = generator.client
+    new_client = lambda: VLLMClient(client.base_url, client.timeout, on_answer=queue.tick)  # noqa: E731
+    rounds = AsyncRounds(settings, queue, sync_weights, new_client, trainer.record)
+    trainer.add_callback(rounds)
+    return rounds

@@ -1,0 +1,386 @@
+"""Async GRPO (max_staleness >= 1) against the fake vLLM server: TRL's API, the rounds' versions and
+the overlap, staleness and drops, the metrics, exact resume, faults, and two processes. The real
+server is exercised by tests_vllm/."""
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fake_vllm_server import FakeVLLMServer
+from tiny_models import tiny_llama, tiny_tokenizer
+from trainer_helpers import chat_dataset, length_reward, make_config
+from transformers import TrainerCallback
+from two_processes import launch_two_processes
+
+from grpo_hf import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOTrainer
+from grpo_hf.engine.vllm.requests import request_seed
+from grpo_hf.episodes.async_rounds import ASYNC_FILE
+from grpo_hf.training.checkpoints import STATE_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = tiny_tokenizer()
+EOS = TOKENIZER.eos_token_id
+SERVER = dict(use_vllm=True, vllm_mode="server", vllm_server_timeout=5.0)
+
+
+@pytest.fixture
+def server():
+    fake = FakeVLLMServer(EOS)
+    yield fake
+    fake.close()
+
+
+def trainer_for(tmp_path, url: str, callbacks=None, reward=length_reward, eval_dataset=None, **overrides):
+    """4 steps of 2 prompts x 4 completions (one round per step) through the server at `url`."""
+    settings = SERVER | dict(vllm_server_base_url=url, max_staleness=1, max_steps=4) | overrides
+    return GRPOTrainer(
+        model=tiny_llama(),
+        reward_funcs=reward,
+        args=make_config(tmp_path, **settings),
+        train_dataset=chat_dataset(),
+        eval_dataset=eval_dataset,
+        processing_class=TOKENIZER,
+        callbacks=callbacks,
+    )
+
+
+def rounds_requested(server: FakeVLLMServer, versions: list[int], processes: int = 1) -> list[list]:
+    """The prompts the server was asked for, round by round, found by their request seeds: round r
+    sampled from policy version versions[r] (`request_seed(seed 0, version, r, k x processes + p)`,
+    k a prompt's place in process p's share). A request whose seed fits no (round, version) fails."""
+    keys = range(2 * processes)
+    seeds = {request_seed(0, version, r, key): r for r, version in enumerate(versions) for key in keys}
+    prompts = [[] for _ in versions]
+    for body in server.completions():
+        assert body["seed"] in seeds, f"a request from no expected (round, version): {body['seed']}"
+        prompts[seeds[body["seed"]]].append(TOKENIZER.decode(body["prompt"]))
+    return [sorted(p) for p in prompts]
+
+
+def logged(trainer: GRPOTrainer, name: str) -> list[float]:
+    return [entry[name] for entry in trainer.state.log_history if name in entry]
+
+
+def no_generation_thread() -> bool:
+    return not any(thread.name == "grpo-async-rounds" for thread in threading.enumerate())
+
+
+# ---- API: TRL's names -----------------------------------------------------------------------------------
+
+
+def test_async_grpo_config_has_trls_async_defaults(tmp_path):
+    config = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], request_timeout=30)
+    assert (config.max_staleness, config.weight_sync_steps, config.queue_maxsize) == (4, 1, 1024)
+    assert (config.max_inflight_tasks, config.heartbeat_stale_after_s) == (-1, 300.0)
+    assert (
+        config.use_vllm and config.vllm_mode == "server" and config.vllm_base_url == "http://localhost:8000"
+    )
+    assert config.logging_steps == 1 and config.lr_scheduler_type == "constant"
+    assert config.max_completion_length == 2048 and config.vllm_server_request_timeout == 30
+    with pytest.raises(ValueError, match="max_staleness >= 1"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_staleness=0)
+
+
+def test_colocated_generation_cannot_overlap(tmp_path, monkeypatch):
+    """vLLM colocate shares the device with training: async GRPO is refused, naming the settings."""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if vLLM were installed
+    with pytest.raises(ValueError, match="vllm_mode='colocate'.*vllm_mode='server'.*max_staleness=0"):
+        make_config(tmp_path, use_vllm=True, max_staleness=1)
+
+
+def test_async_grpo_trainer_takes_trls_arguments_in_trls_order(tmp_path, server):
+    """TRL's positional order (model, reward_funcs, args, train_dataset, processing_class); a
+    synchronous config is refused, naming max_staleness."""
+    args = make_config(tmp_path, **SERVER, vllm_server_base_url=server.url, max_staleness=2)
+    trainer = AsyncGRPOTrainer(tiny_llama(), length_reward, args, chat_dataset(), TOKENIZER)
+    assert isinstance(trainer, GRPOTrainer) and trainer.processing_class is TOKENIZER
+    assert trainer.async_rounds is not None and trainer.eval_dataset is None
+    synchronous = make_config(tmp_path, **SERVER, vllm_server_base_url=server.url)
+    with pytest.raises(ValueError, match="max_staleness"):
+        AsyncGRPOTrainer(tiny_llama(), length_reward, synchronous, chat_dataset(), TOKENIZER)
+
+
+def test_what_the_generation_thread_cannot_run_is_refused_at_construction(tmp_path, server):
+    def add(a: int, b: int) -> int:
+        """Adds.
+
+        Args:
+            a: One.
+            b: Two.
+        """
+        return a + b
+
+    args = make_config(tmp_path, **SERVER, vllm_server_base_url=server.url, max_staleness=1)
+    with pytest.raises(ValueError, match=r"tools .* max_staleness=0"):
+        GRPOTrainer(
+            tiny_llama(), length_reward, args, chat_dataset(), processing_class=TOKENIZER, tools=[add]
+        )
+    with pytest.raises(ValueError, match="rollout_func"):
+        GRPOTrainer(
+            tiny_llama(), length_reward, args, chat_dataset(), processing_class=TOKENIZER, rollout_func=print
+        )
+
+
+# ---- The rounds: versions, overlap, data order, metrics ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sync_steps", "versions", "staleness", "ahead"),
+    [(1, [0, 0, 1, 2], [0, 1, 1, 1], 2), (2, [0, 0, 0, 0], [0, 0, 1, 1], 4)],
+    ids=["sync-every-step", "sync-every-2-steps"],
+)
+def test_rounds_are_sampled_one_sync_ahead_in_the_samplers_order(
+    tmp_path, server, sync_steps, versions, staleness, ahead
+):
+    """Every 1 step: round 1 is sampled from the initial weights (version 0) while the trainer trains
+    on round 0, round r >= 2 from version r - 1; staleness 0 for round 0, then 1. Every 2 steps:
+    rounds 0-3 are all in sync intervals 0 and 1, so all come from version 0, and rounds 2-3 are 1
+    version old when trained. The prompts are those of synchronous training, round by round."""
+    trainer = trainer_for(tmp_path / "async", server.url, weight_sync_steps=sync_steps)
+    trainer.train()
+    async_rounds = rounds_requested(server, versions)
+    paths = [path for path, _ in server.requests if path in ("/collective_rpc", "/v1/completions")]
+    syncs = 4 // sync_steps
+    assert paths.count("/collective_rpc") == 1 + syncs  # the initial weights, then one per sync
+    before_first_sync = paths[: paths.index("/collective_rpc", 1)].count("/v1/completions")
+    assert before_first_sync == 2 * ahead  # rounds sampled before the first optimizer step's sync
+    assert logged(trainer, "sample/staleness_mean") == logged(trainer, "sample/staleness_max") == staleness
+    assert len(logged(trainer, "perf/weight_sync_s")) == syncs
+    assert (
+        len(logged(trainer, "perf/rollout_wait_s")) == 4 and min(logged(trainer, "perf/rollout_wait_s")) >= 0
+    )
+    assert (
+        len(logged(trainer, "rollout/generated_tok_s")) == 4
+        and min(logged(trainer, "rollout/generated_tok_s")) > 0
+    )
+    assert "sample/rollout_queue_size" in trainer.state.log_history[0]
+    assert no_generation_thread()
+
+    synchronous = FakeVLLMServer(EOS)
+    try:
+        trainer_for(tmp_path / "sync", synchronous.url, max_staleness=0).train()
+        seeds = {request_seed(0, step, 1, k): step for step in range(4) for k in range(2)}  # version = step
+        sync_rounds = [[] for _ in range(4)]
+        for body in synchronous.completions():
+            sync_rounds[seeds[body["seed"]]].append(TOKENIZER.decode(body["prompt"]))
+    finally:
+        synchronous.close()
+    assert async_rounds == [sorted(p) for p in sync_rounds]  # the sampler's order, each prompt once
+
+
+def test_evaluation_samples_from_the_synced_weights(tmp_path, server):
+    """Evaluation in async mode samples from the weights the server holds: no extra weight update."""
+    trainer = trainer_for(
+        tmp_path, server.url, max_steps=2, eval_dataset=chat_dataset(2), eval_strategy="steps", eval_steps=1
+    )
+    trainer.train()
+    assert len(logged(trainer, "eval_reward")) == 2
+    assert sum(path == "/collective_rpc" for path, _ in server.requests) == 3  # initial + 2 syncs
+
+
+def test_async_reward_functions_are_awaited_on_the_generation_thread(tmp_path, server):
+    """An `async def` reward is awaited and a plain one called (on the generation thread), in this
+    process: closures, nothing pickled."""
+    called_on = set()
+
+    async def judged(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [len(c[0]["content"]) / 10 for c in completions]
+
+    def plain(completions, **kwargs):
+        called_on.add(threading.current_thread().name)
+        return length_reward(completions)
+
+    trainer = trainer_for(tmp_path, server.url, max_steps=2, reward=[judged, plain])
+    trainer.train()
+    assert called_on == {"grpo-async-rounds"}
+    assert len(logged(trainer, "reward/judged")) == 2
+    assert logged(trainer, "reward/judged") == logged(trainer, "reward/plain")  # the same lengths
+
+
+# ---- Staleness: drops -------------------------------------------------------------------------------
+
+
+class StopAfter(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_a_round_older_than_max_staleness_is_dropped_counted_and_sampled_again(tmp_path, server):
+    """A checkpoint's queue holds round 2 (version 1); restored with the version counter at 9, it is 8
+    versions old: dropped (its 8 completions counted), and its prompts sampled again from version 9."""
+    trainer_for(tmp_path, server.url, save_strategy="steps", save_steps=2, callbacks=[StopAfter(2)]).train()
+    path = tmp_path / "checkpoint-2" / ASYNC_FILE.format(0)
+    saved = torch.load(path, weights_only=True)
+    assert saved["version"] == 2 and [(r["index"], r["version"]) for r in saved["rounds"]] == [(2, 1)]
+    torch.save(saved | {"version": 9}, path)
+    first = rounds_requested(server, [0, 0, 1])
+    server.requests.clear()
+    resumed = trainer_for(tmp_path, server.url, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert logged(resumed, "sample/dropped_stale_total") == [8.0]  # round 2, at step 3
+    again = rounds_requested(server, [None, None, 9, 9])  # round 3 read at step 3, from version 9 too
+    assert again[2] == first[2] and again[:2] == [[], []]  # the same prompts, from version 9
+    assert logged(resumed, "sample/staleness_mean")[2:] == [0.0, 1.0]  # steps 3-4 (1-2: the checkpoint's log)
+
+
+# ---- Exact resume -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stop_after", "settings"),
+    [(2, {}), (1, {"steps_per_generation": 2})],
+    ids=["between-rounds", "mid-round"],
+)
+def test_resume_continues_exactly_no_prompt_lost_or_seen_twice(tmp_path, stop_after, settings):
+    """4 steps straight == stop_after steps, stop, resume: the same requests (prompts, seeds: the
+    same versions) over both parts, none twice, and bit-identical parameters. Between rounds, the
+    checkpoint holds the round sampled ahead, which the resumed run does not sample again."""
+
+    def requests(fake):
+        return sorted((tuple(b["prompt"]), b["seed"], b["n"]) for b in fake.completions())
+
+    straight_server, stopped_server, resumed_server = (FakeVLLMServer(EOS) for _ in range(3))
+    try:
+        straight = trainer_for(tmp_path / "straight", straight_server.url, **settings)
+        straight.train()
+        output = tmp_path / "interrupted"
+        saving = dict(save_strategy="steps", save_steps=1, **settings)
+        trainer_for(output, stopped_server.url, callbacks=[StopAfter(stop_after)], **saving).train()
+        resumed = trainer_for(output, resumed_server.url, **saving)
+        resumed.train(resume_from_checkpoint=str(output / f"checkpoint-{stop_after}"))
+        both = sorted(requests(stopped_server) + requests(resumed_server))
+        assert both == requests(straight_server)
+        if stop_after == 2:
+            assert len(requests(resumed_server)) == 2  # round 3 only: round 2 came from the checkpoint
+    finally:
+        for fake in (straight_server, stopped_server, resumed_server):
+            fake.close()
+    for (name, a), (_, b) in zip(
+        straight.model.named_parameters(), resumed.model.named_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+# ---- Faults ---------------------------------------------------------------------------------------------
+
+
+def test_a_server_dying_mid_run_stops_with_its_error_and_the_run_resumes(tmp_path, server):
+    """Rounds 0 and 1 are answered, round 2 meets a dead server: a ConnectionError within seconds, the
+    checkpoint of step 1 complete, no thread left; a new server and resume_from_checkpoint=True finish."""
+    server.die_after = 4  # 2 requests a round
+    trainer = trainer_for(tmp_path, server.url, save_strategy="steps", save_steps=1)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="it stopped"):
+        trainer.train()
+    assert time.monotonic() - start < 30 and no_generation_thread()
+    assert (tmp_path / "checkpoint-1" / STATE_FILE).is_file()
+    assert not (tmp_path / "checkpoint-2" / STATE_FILE).exists()
+    second = FakeVLLMServer(EOS)
+    try:
+        resumed = trainer_for(tmp_path, second.url, save_strategy="steps", save_steps=1)
+        resumed.train(resume_from_checkpoint=True)
+        assert resumed.state.global_step == 4
+    finally:
+        second.close()
+
+
+def test_a_request_timing_out_and_a_stuck_server_are_errors_within_seconds(tmp_path, server):
+    server.delay = 5.0
+    timing_out = trainer_for(tmp_path / "request", server.url, vllm_server_request_timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="vllm_server_request_timeout"):
+        timing_out.train()
+    assert time.monotonic() - start < 4 and no_generation_thread()
+    stuck = trainer_for(tmp_path / "heartbeat", server.url, heartbeat_stale_after_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="heartbeat_stale_after_s=1"):
+        stuck.train()
+    assert time.monotonic() - start < 4 and no_generation_thread()  # the requests in flight aborted
+
+
+def test_a_reward_function_raising_reaches_the_trainer_as_itself(tmp_path, server):
+    """It raises on round 1, on the generation thread: the trainer raises scoring's error (naming the
+    function and its exception) at its next wait, the end of step 1, before sending new weights."""
+    calls = []
+
+    def down_from_round_1(completions, **kwargs):
+        calls.append(len(completions))
+        if len(calls) > 1:
+            raise ValueError("the grader is down")
+        return [1.0] * len(completions)
+
+    trainer = trainer_for(tmp_path, server.url, reward=down_from_round_1)
+    with pytest.raises(RuntimeError, match="'down_from_round_1' raised ValueError: the grader is down"):
+        trainer.train()
+    assert trainer.state.global_step == 1 and no_generation_thread()
+    assert [path for path, _ in server.requests].count("/collective_rpc") == 1  # the initial weights only
+
+
+def test_an_error_on_the_training_thread_aborts_the_requests_in_flight(tmp_path, server):
+    """Rounds 1-3 are in flight on a slow server when training fails: train() ends at once, the
+    requests aborted, no thread left."""
+
+    class Fails(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                raise RuntimeError("out of memory, say")
+
+    answered = []
+
+    def slow_after_round_0(prompt, j, body):
+        answered.append(j)
+        if answered.count(0) > 2:  # a request of round 1 or later (2 requests a round)
+            time.sleep(10.0)
+        return server._pattern(prompt, j, body)
+
+    server.completion = slow_after_round_0
+    trainer = trainer_for(tmp_path, server.url, weight_sync_steps=2, callbacks=[Fails()])
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        trainer.train()
+    assert time.monotonic() - start < 4 and no_generation_thread()
+
+
+def test_sigterm_stops_cleanly_with_a_complete_checkpoint(tmp_path, server):
+    """SIGTERM during step 1: the step ends, a checkpoint is saved with the round sampled ahead and
+    the version counter, training stops, no thread left."""
+
+    class Terminate(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = trainer_for(tmp_path, server.url, callbacks=[Terminate()])
+    trainer.train()
+    assert trainer.state.global_step == 1 and no_generation_thread()
+    saved = torch.load(tmp_path / "checkpoint-1" / ASYNC_FILE.format(0), weights_only=True)
+    assert saved["version"] == 1 and [r["index"] for r in saved["rounds"]] == [1]
+    assert (tmp_path / "checkpoint-1" / STATE_FILE).is_file()
+
+
+# ---- Two processes ------------------------------------------------------------------------------------
+
+
+def test_two_processes_sample_their_own_shares_ahead(tmp_path, server):
+    """DDP over gloo: each process's thread sends its own share of each round (its seeds keyed by
+    the process) from the same versions as on one process; the weights go once per sync; both
+    processes train 4 steps and log the same staleness."""
+    launch_two_processes(ROOT / "tests" / "server_worker.py", [server.url, str(tmp_path), "async"], tmp_path)
+    per_round = rounds_requested(server, [0, 0, 1, 2], processes=2)
+    assert [len(prompts) for prompts in per_round] == [4, 4, 4, 4]  # 2 prompts per process per round
+    assert sum(path == "/collective_rpc" for path, _ in server.requests) == 5
+    for index in (0, 1):
+        log = json.loads((tmp_path / f"log-{index}.json").read_text())
+        assert [e["sample/staleness_mean"] for e in log if "sample/staleness_mean" in e] == [0, 1, 1, 1]
