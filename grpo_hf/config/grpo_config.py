@@ -1,8 +1,8 @@
 """`GRPOConfig`: the GRPO settings, on top of `transformers.TrainingArguments`.
 
 The settings come in sections, each a dataclass `GRPOConfig` inherits with its own checks:
-`config_rollout` (data, sampling, batch geometry, rewards, dynamic sampling, tools), `config_loss`
-(the policy term, importance sampling, KL), `config_generation` (the generation backend: vLLM,
+`rollout_args` (data, sampling, batch geometry, rewards, dynamic sampling, tools), `loss_args`
+(the policy term, importance sampling, KL), `generation_args` (the generation backend: vLLM,
 transformers' generate, generation_kwargs) and `async_args` (async GRPO: max_staleness). This file
 holds the TrainingArguments defaults GRPO overrides, the model-loading, speed and logging settings,
 and `__post_init__`, which resolves and checks them in order.
@@ -52,7 +52,7 @@ class GRPOConfig(
     TrainingArguments, AsyncArguments, GenerationBackendArguments, LossArguments, RolloutArguments
 ):
     """Training arguments for `GRPOTrainer`; every GRPO field carries its help text, here or in its
-    section (`config_rollout`, `config_loss`, `config_generation`, `async_args`)."""
+    section (`rollout_args`, `loss_args`, `generation_args`, `async_args`)."""
 
     # Fields that also take a JSON object string (the command line and YAML configs pass strings).
     _VALID_DICT_FIELDS = [
