@@ -320,8 +320,9 @@ class GRPOTrainer(Trainer):
             columns["environments"] = self.environments
         if self.rollout_func is not None:
             result, completions, extra = call_rollout_func(
-                self.rollout_func, prompts, self, self.processing_class, self.eos_token_ids, device
-            )
+                self.rollout_func, prompts, self, self.processing_class, self.eos_token_ids, device,
+                calls=self.generator.uneven_calls(self.sampling, self.state.global_step),
+            )  # fmt: skip
             columns.update(extra)
         elif self.toolbox is not None:
             result, completions = self._tool_episodes(prompts, names)

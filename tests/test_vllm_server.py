@@ -247,6 +247,22 @@ def test_two_processes_share_a_server_with_different_numbers_of_turns(tmp_path):
     assert (tmp_path / "trained-0").read_text() == (tmp_path / "trained-1").read_text() == "1"
 
 
+def test_a_rollout_func_may_call_the_server_a_different_number_of_times_per_process(tmp_path, server):
+    """Process 0's rollout_func samples twice, process 1's once: process 1 joins the second call with
+    no rows instead of the run crashing on mismatched collectives. In the first call process 0 asks
+    for 2 tokens and process 1 for 128: the server samples up to 128 (fake server: sample j has j + 1
+    tokens then EOS) and only process 0's completions are cut to 2."""
+    launch_two_processes(ROOT / "tests" / "server_worker.py", [server.url, str(tmp_path), "uneven"], tmp_path)
+    zero = json.loads((tmp_path / "calls-0.json").read_text())
+    one = json.loads((tmp_path / "calls-1.json").read_text())
+    assert len(zero) == 2 and len(one) == 1
+    assert max(zero[0]) == 2 and max(one[0]) >= 3  # cut to 2 / the j = 1 samples: 2 tokens + EOS
+    bodies = server.completions()
+    first_round = 4  # 2 prompts per process
+    assert [body["max_tokens"] for body in bodies[:first_round]] == [128] * first_round
+    assert len(bodies) == first_round + 2  # the second call: process 0's 2 prompts only
+
+
 @pytest.mark.parametrize("config", ["cpu_fsdp2.yaml", "cpu_zero3.yaml"], ids=["fsdp2", "zero3"])
 def test_sharded_weights_reach_the_server_whole(tmp_path, server, config):
     """Full fine-tuning on 2 processes under FSDP2 / ZeRO-3: the first update the server loads is the

@@ -4,8 +4,9 @@ Each generation call is collective. Every process's prompt rows are gathered; pr
 distinct prompt once (one /v1/completions request with n = its rows, the requests concurrent) and
 hands every process back its own rows by the row counts gathered from each, so processes may hold
 different numbers of rows (multi-turn episodes: a process whose episodes have ended takes part with
-none). New weights, once per policy version: whole (gathered under FSDP2 / ZeRO-3), LoRA merged,
-sent by process 0 (`weights.FileWeights` or `weights.NcclWeights`), then the prefix cache reset.
+none) and ask for different lengths (the round samples the longest; each process cuts its own).
+New weights, once per policy version: whole (gathered under FSDP2 / ZeRO-3), LoRA merged, sent by
+process 0 (`weights.FileWeights` or `weights.NcclWeights`), then the prefix cache reset.
 
 Whatever process 0 meets (no server, a timeout, a refusal) reaches every process as the same error
 (`_on_main`), so no process waits forever for a peer that has failed.
@@ -105,12 +106,19 @@ class ServerGenerator(Generator):
         self._on_main(self.client.reset_prefix_cache)
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:
-        rows = prompt_rows(prompt_ids, prompt_mask)
-        everyone = gather_object([rows]) if self.accelerator.num_processes > 1 else [rows]
-        per_process = self._on_main(lambda: self._complete(everyone, sampling))
-        return rollout_from_samples(
-            prompt_ids, prompt_mask, per_process[self.accelerator.process_index], sampling
-        )
+        mine = (prompt_rows(prompt_ids, prompt_mask), sampling.max_new_tokens)
+        gathered = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
+        everyone = [rows for rows, _ in gathered]
+        # Processes may ask for different lengths (episodes' budgets): the round samples up to the
+        # longest a process with rows asked for, and each process cuts its own to its length.
+        longest = max((limit for rows, limit in gathered if rows), default=sampling.max_new_tokens)
+        round_sampling = sampling.with_max_new_tokens(longest)
+        per_process = self._on_main(lambda: self._complete(everyone, round_sampling))
+        limit = sampling.max_new_tokens
+        samples = [
+            (tokens[:limit], logps[:limit]) for tokens, logps in per_process[self.accelerator.process_index]
+        ]
+        return rollout_from_samples(prompt_ids, prompt_mask, samples, sampling)
 
     def _complete(self, everyone: list[list[list[int]]], sampling: Sampling) -> list[Samples]:
         """Every process's rows -> one request per distinct prompt -> every process's samples."""
