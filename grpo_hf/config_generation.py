@@ -126,7 +126,11 @@ class GenerationBackendArguments:
     )
     vllm_weight_sync_dir: str | None = field(
         default=None,
-        metadata={"help": "(grpo-hf) Server, 'files': the shared folder; default <output_dir>/vllm-weights."},
+        metadata={
+            "help": "(grpo-hf) Server, 'files': the shared folder; default <output_dir>/_vllm-weights (a '_' "
+            "folder: push_to_hub leaves it out). Each update is removed once the next is loaded, the last when "
+            "training ends."
+        },
     )
     vllm_gpu_memory_utilization: float = field(
         default=0.3,
@@ -278,4 +282,4 @@ class GenerationBackendArguments:
     @property
     def vllm_weights_folder(self) -> str:
         """Where 'files' weight sync writes the weights for the server."""
-        return self.vllm_weight_sync_dir or os.path.join(self.output_dir, "vllm-weights")
+        return self.vllm_weight_sync_dir or os.path.join(self.output_dir, "_vllm-weights")

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from contextlib import closing
 
 import torch
 from datasets import Dataset, IterableDataset
@@ -584,7 +585,7 @@ class GRPOTrainer(Trainer):
                 self.round_length,
             )
             self._load_grpo_state(state)
-        with self.interrupt.catching_signals():
+        with self.interrupt.catching_signals(), closing(self.generator):  # a server's last weight file goes
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _grpo_state(self) -> dict:

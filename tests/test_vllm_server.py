@@ -1,6 +1,6 @@
 """Server mode without vLLM: `engine.vllm` against `fake_vllm_server.FakeVLLMServer` (the same HTTP
-endpoints), and the pure request planning both vLLM modes share. The real server is exercised by
-tests_vllm/ (run with the vLLM environment)."""
+endpoints), the pure request planning both vLLM modes share, and where colocate's engine starts
+from. The real server is exercised by tests_vllm/ (run with the vLLM environment)."""
 
 import json
 import os
@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate import Accelerator
 from fake_vllm_server import FakeVLLMServer
+from huggingface_hub.utils import filter_repo_objects
 from peft import LoraConfig
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, free_port, length_reward, make_config
@@ -20,7 +22,9 @@ from grpo_hf.checkpoints import STATE_FILE
 from grpo_hf.engine.generation import Sampling
 from grpo_hf.engine.generation_copy import policy_weights
 from grpo_hf.engine.vllm.client import VLLMClient
+from grpo_hf.engine.vllm.colocate import _checkpoint
 from grpo_hf.engine.vllm.requests import plan_prompts, request_seed, rollout_from_samples, sampling_fields
+from grpo_hf.engine.vllm.weights import FileWeights
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = tiny_tokenizer()
@@ -127,6 +131,19 @@ def test_a_server_without_dev_mode_or_with_raw_logprobs_is_refused(tmp_path, ser
         server_trainer(tmp_path, server.url)
 
 
+# ---- Colocate: where the engine starts from (no vLLM needed) ---------------------------------------------
+
+
+def test_a_model_without_a_checkpoint_is_copied_out_of_the_upload(tmp_path):
+    """A model built from a config has no checkpoint: the engine starts from a copy in
+    <output_dir>/_vllm-model, which push_to_hub leaves out."""
+    output = tmp_path / "out"
+    path = _checkpoint(make_config(output), Accelerator(cpu=True), tiny_llama(), TOKENIZER)
+    assert path == str(output / "_vllm-model") and (output / "_vllm-model" / "config.json").is_file()
+    files = [str(p.relative_to(output)) for p in output.rglob("*") if p.is_file()]
+    assert files and not list(filter_repo_objects(files, ignore_patterns=["_*", "checkpoint-*"]))
+
+
 # ---- Training through a server ------------------------------------------------------------------------
 
 
@@ -145,13 +162,49 @@ def test_lora_training_through_a_server(tmp_path, server):
     assert not torch.equal(first[q], second[q]) and torch.equal(
         first[mlp], second[mlp]
     )  # LoRA merged in q only
-    assert os.listdir(tmp_path / "vllm-weights") == ["update-2"]  # the previous update's file is gone
+    assert os.listdir(tmp_path / "_vllm-weights") == []  # each update gone after the next, the last at end
     bodies = server.completions()
     assert [body["n"] for body in bodies] == [4, 4, 4, 4]  # 2 prompts x G = 4 per round, 2 rounds
     assert len({body["seed"] for body in bodies}) == 4
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if n in before)
     logged = trainer.state.log_history[0]
     assert logged["sampler/ratio_mean"] > 0 and "reward" in logged
+
+
+def test_push_to_hub_uploads_no_weight_file_and_no_completion_log(tmp_path, server):
+    """What a LoRA run against a server leaves in output_dir, while it runs (weights loaded by the
+    server, checkpoints) and after it (the adapter saved), filtered as Trainer.push_to_hub and
+    _push_from_checkpoint filter it (transformers 5.24: ignore_patterns=["_*", "checkpoint-*"]): no
+    vLLM weight file and no completion log; the logs stay on disk; the last weight file is gone."""
+    ignore = ["_*", "checkpoint-*"]
+    trainer = server_trainer(
+        tmp_path, server.url, max_steps=2, log_completions=True, save_strategy="steps", save_steps=1
+    )
+    trainer.train()
+    trainer.save_model()
+    files = [str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*") if path.is_file()]
+    weights = [
+        str(Path(body["kwargs"]["weights_path"], "model.safetensors").relative_to(tmp_path))
+        for path, body in server.requests
+        if path == "/collective_rpc"
+    ]
+    logs = [name for name in files if name.endswith(".parquet")]
+    assert len(weights) == 2 and len(logs) == 2  # two updates, two logged steps
+    uploaded = list(filter_repo_objects(files + weights, ignore_patterns=ignore))
+    assert "adapter_model.safetensors" in uploaded
+    assert not [name for name in uploaded if "vllm" in name or name.endswith(".parquet")], uploaded
+    assert os.listdir(tmp_path / "_vllm-weights") == []
+
+
+def test_a_weight_file_the_server_could_not_load_is_removed(tmp_path, server):
+    sender = FileWeights(VLLMClient(server.url, 2.0), str(tmp_path / "weights"), torch.float32)
+    sender.send(iter([("w", torch.ones(2))]))
+    server.refuse_reload = True
+    with pytest.raises(RuntimeError, match="could not load the weights"):
+        sender.send(iter([("w", torch.zeros(2))]))
+    assert os.listdir(tmp_path / "weights") == ["update-1"]  # the weights the server holds
+    sender.close()
+    assert os.listdir(tmp_path / "weights") == []
 
 
 def test_a_server_dying_mid_run_stops_with_a_clear_error_and_the_run_resumes(tmp_path, server):

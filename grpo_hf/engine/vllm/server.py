@@ -99,6 +99,11 @@ class ServerGenerator(Generator):
             dtype = getattr(torch, str(model_config["dtype"]).removeprefix("torch."))
             self.sender = FileWeights(self.client, args.vllm_weights_folder, dtype)
 
+    def close(self) -> None:
+        """Remove the last weight file (process 0's; nothing over the network)."""
+        if self.sender is not None:
+            self.sender.close()
+
     def load_policy(self) -> None:
         model = self.policy()
         with unsharded_for_generation(model, self.accelerator):

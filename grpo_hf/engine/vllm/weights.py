@@ -45,7 +45,10 @@ def vllm_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class FileWeights:
-    """Weights as one safetensors file per update in `folder`, loaded by the server's reload_weights."""
+    """Weights as one safetensors file per update in `folder`, loaded by the server's reload_weights.
+
+    Each update (a whole copy of the policy) is removed once the next is loaded, or at once when the
+    server could not load it; `close` removes the last one (the server holds it in memory)."""
 
     def __init__(self, client: VLLMClient, folder: str, dtype: torch.dtype):
         self.client, self.folder, self.dtype = client, os.path.abspath(folder), dtype
@@ -62,10 +65,19 @@ class FileWeights:
         save_file(tensors, os.path.join(path + ".tmp", "model.safetensors"))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(path + ".tmp", path)
-        self.client.reload_weights(path)
-        if self._current not in (None, path):
-            shutil.rmtree(self._current, ignore_errors=True)  # the server holds the new weights now
+        try:
+            self.client.reload_weights(path)
+        except Exception:
+            shutil.rmtree(path, ignore_errors=True)  # the server still holds the previous update
+            raise
+        self.close()  # the server holds the new weights now
         self._current = path
+
+    def close(self) -> None:
+        """Remove the last update's folder."""
+        if self._current is not None:
+            shutil.rmtree(self._current, ignore_errors=True)
+            self._current = None
 
 
 class NcclWeights:
@@ -105,6 +117,9 @@ class NcclWeights:
             )
         self.engine.source = Source()
         self.engine.send_weights()
+
+    def close(self) -> None:
+        """Nothing on disk to remove."""
 
 
 def _address_towards(base_url: str) -> str:
