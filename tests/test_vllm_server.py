@@ -131,7 +131,7 @@ def test_a_server_without_dev_mode_or_with_raw_logprobs_is_refused(tmp_path, ser
         server_trainer(tmp_path, server.url)
 
 
-# ---- Colocate: where the engine starts from (no vLLM needed) ---------------------------------------------
+# ---- Colocate: where the engine starts from (no vLLM needed) ------------------------------------------
 
 
 def test_a_model_without_a_checkpoint_is_copied_out_of_the_upload(tmp_path):

