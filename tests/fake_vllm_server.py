@@ -24,6 +24,7 @@ class FakeVLLMServer:
         self.delay = 0.0  # seconds before answering a completion
         self.die_after: int | None = None  # drop connections after this many completion requests
         self.refuse_reload = False  # answer /collective_rpc with an error
+        self.weight_transfer_config: dict | None = None  # as `--weight-transfer-config` sets it
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -46,7 +47,8 @@ class FakeVLLMServer:
             return {}
         if path.startswith("/server_info"):
             config = {"logprobs_mode": self.logprobs_mode, "dtype": "torch.float32"}
-            return {"vllm_config": {"model_config": config, "weight_transfer_config": None}}
+            transfer = self.weight_transfer_config
+            return {"vllm_config": {"model_config": config, "weight_transfer_config": transfer}}
         if path == "/collective_rpc" and not self.refuse_reload:
             self.loaded.append(load_file(body["kwargs"]["weights_path"] + "/model.safetensors"))
             return {"results": [None]}

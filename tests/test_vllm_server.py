@@ -2,6 +2,7 @@
 endpoints), the pure request planning both vLLM modes share, and where colocate's engine starts
 from. The real server is exercised by tests_vllm/ (run with the vLLM environment)."""
 
+import importlib.util
 import json
 import os
 import time
@@ -24,6 +25,7 @@ from grpo_hf.engine.generation_copy import policy_weights
 from grpo_hf.engine.vllm.client import VLLMClient
 from grpo_hf.engine.vllm.colocate import _checkpoint
 from grpo_hf.engine.vllm.requests import plan_prompts, request_seed, rollout_from_samples, sampling_fields
+from grpo_hf.engine.vllm.server import ServerGenerator
 from grpo_hf.engine.vllm.weights import FileWeights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,6 +131,18 @@ def test_a_server_without_dev_mode_or_with_raw_logprobs_is_refused(tmp_path, ser
     server.logprobs_mode = "raw_logprobs"
     with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
         server_trainer(tmp_path, server.url)
+
+
+def test_auto_weight_sync_without_vllm_here_sends_files(tmp_path, server, monkeypatch, caplog):
+    """A CUDA trainer and a server offering NCCL, but no vLLM on the trainer's side (server mode needs
+    none): 'auto' sends files and says which setting chooses, instead of a ModuleNotFoundError."""
+    args = make_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url)
+    server.weight_transfer_config = {"backend": "nccl"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    generator = ServerGenerator(args, Accelerator(cpu=True), None, None)
+    assert isinstance(generator.sender, FileWeights)
+    assert "vllm_weight_sync='files'" in caplog.text
 
 
 # ---- Colocate: where the engine starts from (no vLLM needed) ------------------------------------------

@@ -12,6 +12,8 @@ Whatever process 0 meets (no server, a timeout, a refusal) reaches every process
 (`_on_main`), so no process waits forever for a peer that has failed.
 """
 
+import importlib.util
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,6 +36,8 @@ from grpo_hf.engine.vllm.requests import (
 from grpo_hf.engine.vllm.weights import FileWeights, NcclWeights, vllm_weights
 from grpo_hf.rollout import Rollout
 from grpo_hf.sharding import unsharded_for_generation
+
+logger = logging.getLogger(__name__)
 
 _ERRORS = {error.__name__: error for error in (ConnectionError, TimeoutError, RuntimeError, ValueError)}
 
@@ -85,9 +89,7 @@ class ServerGenerator(Generator):
                 "sampled from: restart it with --logprobs-mode processed_logprobs."
             )
         backend = (config.get("weight_transfer_config") or {}).get("backend")
-        mode = args.vllm_weight_sync
-        if mode == "auto":
-            mode = "nccl" if backend == "nccl" and torch.cuda.is_available() else "files"
+        mode = args.vllm_weight_sync if args.vllm_weight_sync != "auto" else _auto_weight_sync(backend)
         if mode == "nccl":
             if backend != "nccl":
                 raise ValueError(
@@ -146,6 +148,21 @@ class ServerGenerator(Generator):
         per_row = samples_for_rows([_samples(a, n) for a, n in zip(answers, counts, strict=True)], slots)
         starts = [sum(len(rows) for rows in everyone[:p]) for p in range(len(everyone))]
         return [per_row[start : start + len(rows)] for start, rows in zip(starts, everyone, strict=True)]
+
+
+def _auto_weight_sync(backend: str | None) -> str:
+    """vllm_weight_sync='auto': NCCL where the server offers it, CUDA is here and so is vLLM (its
+    weight-transfer client), else files."""
+    if backend != "nccl" or not torch.cuda.is_available():
+        return "files"
+    if importlib.util.find_spec("vllm") is None:
+        logger.warning(
+            "The vLLM server offers NCCL weight transfer, but vLLM (its weight-transfer client) is not installed "
+            "here: new weights go as files to vllm_weight_sync_dir, which the server must read at the same path. "
+            "Install vLLM here to send them over NCCL, or set vllm_weight_sync='files'."
+        )
+        return "files"
+    return "nccl"
 
 
 def _samples(answer: dict, n: int) -> Samples:
