@@ -110,7 +110,9 @@ class GenerationBackendArguments:
     )
     vllm_server_base_url: str | None = field(
         default=None,
-        metadata={"help": "Server: its URL, e.g. 'http://localhost:8000'; overrides host and port."},
+        metadata={
+            "help": "Server: its root URL, e.g. 'http://localhost:8000' (no /v1); overrides host and port."
+        },
     )
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server: its host, without base_url."})
     vllm_server_port: int = field(default=8000, metadata={"help": "Server: its port, without base_url."})
@@ -121,8 +123,9 @@ class GenerationBackendArguments:
     vllm_server_request_timeout: float = field(
         default=600.0,
         metadata={
-            "help": "(grpo-hf) Server: seconds one request (a generation round, a weight update) may take "
-            "before the run stops with an error instead of waiting."
+            "help": "(grpo-hf) Server: seconds a generation round (its requests together) or a weight update "
+            "may take before the run stops with an error instead of waiting; below ddp_timeout with several "
+            "processes."
         },
     )
     vllm_group_port: int = field(
@@ -284,6 +287,21 @@ class GenerationBackendArguments:
                 raise ValueError(
                     f"vllm_server_base_url={self.vllm_base_url!r} is not an http(s) URL; use e.g. "
                     "'http://localhost:8000'."
+                )
+            if url.path.endswith("/v1"):
+                raise ValueError(
+                    f"vllm_server_base_url={self.vllm_base_url!r} ends in /v1 (an OpenAI client's base URL): "
+                    "grpo-hf calls the server's endpoints (/health, /v1/completions, the development ones) "
+                    f"under its root; use {self.vllm_base_url.removesuffix('/v1')!r}."
+                )
+            longest = max(self.vllm_server_timeout, self.vllm_server_request_timeout)
+            if self.world_size > 1 and longest >= self.ddp_timeout:
+                raise ValueError(
+                    f"vllm_server_timeout={self.vllm_server_timeout:g} s and vllm_server_request_timeout="
+                    f"{self.vllm_server_request_timeout:g} s must be below ddp_timeout={self.ddp_timeout} s: while "
+                    "process 0 waits for the server (its start, a generation round, a weight update), the other "
+                    "processes wait in a collective that fails after ddp_timeout with an error that does not say "
+                    "why. Lower them or raise ddp_timeout."
                 )
         if self.top_p < 1 or self.top_k > 0:
             logger.warning(

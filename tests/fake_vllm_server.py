@@ -25,6 +25,7 @@ class FakeVLLMServer:
         self.die_after: int | None = None  # drop connections after this many completion requests
         self.refuse_reload = False  # answer /collective_rpc with an error
         self.weight_transfer_config: dict | None = None  # as `--weight-transfer-config` sets it
+        self.health_status = 200  # e.g. 503: up, not ready
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -83,7 +84,8 @@ class FakeVLLMServer:
                     threading.Event().wait(server.delay)
                 answer = server._answer(self.path, body)
                 data = json.dumps(answer or {"detail": "Not Found"}).encode()
-                self.send_response(200 if answer is not None else 404)
+                status = 200 if answer is not None else 404
+                self.send_response(server.health_status if self.path == "/health" else status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,47 @@ def test_no_server_is_a_connection_error_that_says_how_to_start_one():
     with pytest.raises(ConnectionError, match="within vllm_server_timeout=1 s"):
         client.wait_until_up(1.0)
     assert time.monotonic() - start < 5
+
+
+def test_a_url_that_is_not_a_servers_root_fails_at_once(server):
+    """A URL with /v1 after the root gets HTTP 404 from /health: something is up there, so an error
+    about the URL within seconds, not vllm_server_timeout's wait and a hint to start a server. An
+    HTTP 503 (up, not ready) is waited on."""
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"vllm_server_base_url .*without a path such as /v1"):
+        VLLMClient(server.url + "/v1", timeout=2.0).wait_until_up(30.0)
+    assert time.monotonic() - start < 5
+    server.health_status = 503
+    with pytest.raises(ConnectionError, match="not ready within vllm_server_timeout=1 s"):
+        VLLMClient(server.url, timeout=2.0).wait_until_up(1.0)
+
+
+def test_a_server_on_this_machine_is_reached_past_an_http_proxy(server, monkeypatch):
+    """urllib sends requests through http_proxy (here a dead port, no no_proxy): a server on this
+    machine is reached directly."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, dead)
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen reads the environment again
+    port = server.url.rsplit(":", 1)[1]
+    for host in ("127.0.0.1", "localhost"):
+        VLLMClient(f"http://{host}:{port}", timeout=2.0).request("GET", "/health")  # no ConnectionError
+
+
+def test_a_generation_round_is_bounded_as_a_whole(server):
+    """The round's requests together take at most vllm_server_request_timeout: four 1 s requests one
+    at a time against a 2.5 s timeout stop after it, though each alone answers in time."""
+    server.delay = 1.0
+    bodies = [{"prompt": [k], "n": 1, "max_tokens": 2, "seed": 0} for k in range(4)]
+    start = time.monotonic()
+    with pytest.raises(
+        TimeoutError, match="generation round's 4 requests within vllm_server_request_timeout"
+    ):
+        VLLMClient(server.url, timeout=2.5).complete_all(bodies, concurrency=1)
+    assert time.monotonic() - start < 3.5
+    assert len(VLLMClient(server.url, timeout=2.5).complete_all(bodies[:2], concurrency=1)) == 2
 
 
 def test_a_slow_server_is_a_timeout_and_a_dead_one_a_connection_error(server):

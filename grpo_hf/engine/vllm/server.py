@@ -9,13 +9,15 @@ New weights, once per policy version: whole (gathered under FSDP2 / ZeRO-3), LoR
 process 0 (`weights.FileWeights` or `weights.NcclWeights`), then the prefix cache reset.
 
 Whatever process 0 meets (no server, a timeout, a refusal) reaches every process as the same error
-(`_on_main`), so no process waits forever for a peer that has failed.
+(`_on_main`), so no process waits forever for a peer that has failed. The others wait for process 0
+in a collective, which fails after `ddp_timeout`: the start (vllm_server_timeout), a generation
+round and a weight update (vllm_server_request_timeout each, the round's requests together) are
+bounded below it (checked with the settings).
 """
 
 import importlib.util
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from accelerate import Accelerator
@@ -143,8 +145,7 @@ class ServerGenerator(Generator):
             }
             for k, (prompt, n) in enumerate(zip(prompts, counts, strict=True))
         ]
-        with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), 32))) as pool:
-            answers = list(pool.map(self.client.complete, bodies))
+        answers = self.client.complete_all(bodies)
         per_row = samples_for_rows([_samples(a, n) for a, n in zip(answers, counts, strict=True)], slots)
         starts = [sum(len(rows) for rows in everyone[:p]) for p in range(len(everyone))]
         return [per_row[start : start + len(rows)] for start, rows in zip(starts, everyone, strict=True)]
