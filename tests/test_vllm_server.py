@@ -5,6 +5,7 @@ from. The real server is exercised by tests_vllm/ (run with the vLLM environment
 import importlib.util
 import json
 import os
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -27,7 +28,7 @@ from grpo_hf.engine.vllm.client import VLLMClient
 from grpo_hf.engine.vllm.colocate import _checkpoint
 from grpo_hf.engine.vllm.requests import plan_prompts, request_seed, rollout_from_samples, sampling_fields
 from grpo_hf.engine.vllm.server import ServerGenerator
-from grpo_hf.engine.vllm.weights import FileWeights
+from grpo_hf.engine.vllm.weights import FileWeights, within
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = tiny_tokenizer()
@@ -153,6 +154,18 @@ def test_a_generation_round_is_bounded_as_a_whole(server):
         VLLMClient(server.url, timeout=2.5).complete_all(bodies, concurrency=1)
     assert time.monotonic() - start < 3.5
     assert len(VLLMClient(server.url, timeout=2.5).complete_all(bodies[:2], concurrency=1)) == 2
+
+
+def test_an_nccl_wait_is_given_up_after_the_request_timeout():
+    """NcclWeights runs its rendezvous and transfers through `within` (NCCL itself cannot run here): a
+    call that never returns (workers that never join) is a TimeoutError naming the setting; an
+    error is re-raised."""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="vllm_server_request_timeout=0.5 s"):
+        within(0.5, threading.Event().wait, "The NCCL weight transfer")
+    assert time.monotonic() - start < 2
+    with pytest.raises(KeyError, match="missing"):
+        within(5.0, lambda: {}["missing"], "A lookup")
 
 
 def test_a_slow_server_is_a_timeout_and_a_dead_one_a_connection_error(server):
