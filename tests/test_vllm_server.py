@@ -25,7 +25,7 @@ from grpo_hf.checkpoints import STATE_FILE
 from grpo_hf.engine.generation import Sampling
 from grpo_hf.engine.generation_copy import policy_weights
 from grpo_hf.engine.vllm.client import VLLMClient
-from grpo_hf.engine.vllm.colocate import _checkpoint
+from grpo_hf.engine.vllm.colocate import model_source
 from grpo_hf.engine.vllm.requests import plan_prompts, request_seed, rollout_from_samples, sampling_fields
 from grpo_hf.engine.vllm.server import ServerGenerator
 from grpo_hf.engine.vllm.weights import FileWeights, within
@@ -203,14 +203,27 @@ def test_auto_weight_sync_without_vllm_here_sends_files(tmp_path, server, monkey
 # ---- Colocate: where the engine starts from (no vLLM needed) ------------------------------------------
 
 
-def test_a_model_without_a_checkpoint_is_copied_out_of_the_upload(tmp_path):
-    """A model built from a config has no checkpoint: the engine starts from a copy in
-    <output_dir>/_vllm-model, which push_to_hub leaves out."""
+def test_a_model_without_a_checkpoint_is_copied_out_of_the_upload(tmp_path, monkeypatch):
+    """A model built from a config has no checkpoint (name_or_path ''): the engine starts from a copy
+    in <output_dir>/_vllm-model, which push_to_hub leaves out, even with a stray config.json in the
+    current directory."""
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
     output = tmp_path / "out"
-    path = _checkpoint(make_config(output), Accelerator(cpu=True), tiny_llama(), TOKENIZER)
-    assert path == str(output / "_vllm-model") and (output / "_vllm-model" / "config.json").is_file()
+    source = model_source(make_config(output), Accelerator(cpu=True), tiny_llama(), TOKENIZER)
+    assert source == {"model": str(output / "_vllm-model"), "trust_remote_code": False}
+    assert (output / "_vllm-model" / "config.json").is_file()
     files = [str(p.relative_to(output)) for p in output.rglob("*") if p.is_file()]
     assert files and not list(filter_repo_objects(files, ignore_patterns=["_*", "checkpoint-*"]))
+
+
+def test_a_hub_model_starts_at_its_revision_with_its_remote_code(tmp_path):
+    model = tiny_llama()
+    model.name_or_path = "someone/tiny-llama"  # not a folder here: a hub id
+    args = make_config(tmp_path, model_init_kwargs={"revision": "v2"}, trust_remote_code=True)
+    assert model_source(args, Accelerator(cpu=True), model, TOKENIZER) == {
+        "model": "someone/tiny-llama", "revision": "v2", "tokenizer_revision": "v2", "trust_remote_code": True,
+    }  # fmt: skip
 
 
 # ---- Training through a server ------------------------------------------------------------------------
