@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from contextlib import closing
 
 import torch
 from datasets import Dataset, IterableDataset
@@ -85,6 +86,8 @@ from grpo_hf.training.checkpoints import (
     SaveOnInterrupt,
     checkpoint_to_resume,
     complete_checkpoint,
+    grpo_state,
+    load_grpo_state,
     read_checkpoint,
 )
 from grpo_hf.training.completion_logs import CompletionLog, completion_rows
@@ -330,8 +333,9 @@ class GRPOTrainer(Trainer):
             columns["environments"] = self.environments
         if self.rollout_func is not None:
             result, completions, extra = call_rollout_func(
-                self.rollout_func, prompts, self, self.processing_class, self.eos_token_ids, device
-            )
+                self.rollout_func, prompts, self, self.processing_class, self.eos_token_ids, device,
+                calls=self.generator.uneven_calls(self.sampling, self.state.global_step),
+            )  # fmt: skip
             columns.update(extra)
         elif self.toolbox is not None:
             result, completions = trainer_tool_episodes(self, prompts, names)
@@ -549,7 +553,7 @@ class GRPOTrainer(Trainer):
         if self.async_rounds:
             self.async_rounds.save(folder)
         complete_checkpoint(
-            folder, self.accelerator, self._grpo_state() if self.args.should_save else None, round_rest
+            folder, self.accelerator, grpo_state(self) if self.args.should_save else None, round_rest
         )
         if self.args.should_save:
             rotate_checkpoints(run_dir, limit, self.state.best_model_checkpoint, use_mtime=True)
@@ -567,26 +571,11 @@ class GRPOTrainer(Trainer):
                 self.args.gradient_accumulation_steps,
                 self.round_length,
             )
-            self._load_grpo_state(state)
+            load_grpo_state(self, state)
             if self.async_rounds:
                 self.async_rounds.load(resume_from_checkpoint)
-        with self.interrupt.catching_signals(), stopping(self.async_rounds):
+        with self.interrupt.catching_signals(), stopping(self.async_rounds), closing(self.generator):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
-
-    def _grpo_state(self) -> dict:
-        """What a checkpoint holds of the trainer besides the Trainer's files (`checkpoints.write_state`)."""
-        return {
-            "beta": self.beta,
-            "round_kl": self._round_kl,
-            "extra_prompts": self.extra_rounds.position,
-            "entropy": self.entropy_control.state_dict(),
-        }
-
-    def _load_grpo_state(self, state: dict) -> None:
-        """Restore what `_grpo_state` saved."""
-        self.beta, self._round_kl = state["beta"], state["round_kl"]
-        self.extra_rounds.position = state.get("extra_prompts", 0)  # absent in checkpoints older than it
-        self.entropy_control.load_state_dict(state.get("entropy", self.entropy_control.state_dict()))
 
 
 class AsyncGRPOTrainer(GRPOTrainer):

@@ -2,8 +2,8 @@
 
 It answers the endpoints `engine.vllm.client` uses with completions that are a pure function of
 the request (prompt, n, seed, max_tokens), records every request, loads the weights files it is
-told to, and can misbehave: be slow, or drop the connection from a given request on (a server that
-dies mid-run). The server-mode code runs against it in the main suite, without vLLM.
+told to, and can misbehave: be slow, drop the connection from a given request on (a server that
+dies mid-run), or refuse to load weights. The server-mode code runs against it in the main suite, without vLLM.
 """
 
 import json
@@ -23,6 +23,9 @@ class FakeVLLMServer:
         self.loaded: list[dict] = []  # the weights of each reload_weights
         self.delay = 0.0  # seconds before answering a completion
         self.die_after: int | None = None  # drop connections after this many completion requests
+        self.refuse_reload = False  # answer /collective_rpc with an error
+        self.weight_transfer_config: dict | None = None  # as `--weight-transfer-config` sets it
+        self.health_status = 200  # e.g. 503: up, not ready
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -45,8 +48,9 @@ class FakeVLLMServer:
             return {}
         if path.startswith("/server_info"):
             config = {"logprobs_mode": self.logprobs_mode, "dtype": "torch.float32"}
-            return {"vllm_config": {"model_config": config, "weight_transfer_config": None}}
-        if path == "/collective_rpc":
+            transfer = self.weight_transfer_config
+            return {"vllm_config": {"model_config": config, "weight_transfer_config": transfer}}
+        if path == "/collective_rpc" and not self.refuse_reload:
             self.loaded.append(load_file(body["kwargs"]["weights_path"] + "/model.safetensors"))
             return {"results": [None]}
         if path == "/reset_prefix_cache":
@@ -80,7 +84,8 @@ class FakeVLLMServer:
                     threading.Event().wait(server.delay)
                 answer = server._answer(self.path, body)
                 data = json.dumps(answer or {"detail": "Not Found"}).encode()
-                self.send_response(200 if answer is not None else 404)
+                status = 200 if answer is not None else 404
+                self.send_response(server.health_status if self.path == "/health" else status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

@@ -1,13 +1,15 @@
 """One process of a 2-process run against a vLLM(-like) server; launched by `accelerate launch`.
 
-    python tests/server_worker.py <server url> <output folder> tools|full|async
+    python tests/server_worker.py <server url> <output folder> tools|full|async|uneven
 
 tools: each process runs a tool episode on its own rows (process 0's rows call the tool, so it
 takes two turns while process 1's take one) and writes its episodes' messages to
 <output>/process-<i>.json; then both train one step. full: full fine-tuning for two steps (under
 FSDP2 or ZeRO-3 the weights sent to the server are gathered from the shards). async: async GRPO
 (max_staleness=1) for four steps; each process writes its log history to <output>/log-<i>.json.
-Used by tests/test_vllm_server.py and tests/test_async_grpo.py against a fake server.
+uneven: one step whose rollout_func samples twice on process 0 (first at most 2 tokens) and once on
+process 1, and writes each call's completion lengths to <output>/calls-<i>.json. Used by
+tests/test_vllm_server.py and tests/test_async_grpo.py against a fake server.
 """
 
 import json
@@ -18,7 +20,7 @@ from dist_worker import exit_worker, force_fsdp_on_cpu
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, length_reward, make_config
 
-from grpo_hf import GRPOTrainer
+from grpo_hf import GRPOTrainer, rollout
 
 
 def add(a: int, b: int) -> int:
@@ -29,6 +31,31 @@ def add(a: int, b: int) -> int:
         b: The second.
     """
     return a + b
+
+
+def uneven_rollout(output: Path):
+    """A rollout_func that samples twice on process 0 (the first call at most 2 tokens) and once on
+    process 1, recording each call's completion lengths."""
+
+    def rollout_func(prompts, trainer):
+        tokenizer, index = trainer.processing_class, trainer.accelerator.process_index
+        texts = [rollout.render_prompt(tokenizer, prompt) for prompt in prompts]
+        ids, mask = rollout.tokenize_prompts(tokenizer, texts, None, trainer.accelerator.device)
+        limits = [2, None] if index == 0 else [None]
+        results = [trainer.generate_completions(ids, mask, limit) for limit in limits]
+        lengths = [result.completion_mask.sum(dim=1).tolist() for result in results]
+        (output / f"calls-{index}.json").write_text(json.dumps(lengths))
+        last = results[-1]
+        return {
+            "prompt_ids": [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)],
+            "completion_ids": [
+                row[m.bool()].tolist()
+                for row, m in zip(last.completion_ids, last.completion_mask, strict=True)
+            ],
+            "logprobs": None,
+        }
+
+    return rollout_func
 
 
 def main(url: str, output: Path, mode: str) -> None:
@@ -43,13 +70,14 @@ def main(url: str, output: Path, mode: str) -> None:
             output,
             per_device_train_batch_size=4,
             num_generations=2,
-            **({"max_steps": 1 if mode == "tools" else 2} | settings),
+            **({"max_steps": 2 if mode == "full" else 1} | settings),
         ),
         train_dataset=chat_dataset(16 if mode == "async" else 4),
         processing_class=tiny_tokenizer(),
         tools=[add] if mode == "tools" else None,
+        rollout_func=uneven_rollout(output) if mode == "uneven" else None,
     )
-    if mode in ("full", "async"):
+    if mode in ("full", "async", "uneven"):
         trainer.train()
         if mode == "async":
             log = json.dumps(trainer.state.log_history)

@@ -44,6 +44,10 @@ def test_use_vllm_sets_the_backend_and_the_backend_sets_use_vllm(tmp_path, monke
         ({"vllm_weight_sync": "ftp"}, ["vllm_weight_sync"]),
         ({"vllm_enable_sleep_mode": True}, ["vllm_enable_sleep_mode", "CPU"]),
         ({"vllm_mode": "server", "vllm_server_base_url": "localhost:8000"}, ["vllm_server_base_url"]),
+        (
+            {"vllm_mode": "server", "vllm_server_base_url": "http://localhost:8000/v1"},
+            ["vllm_server_base_url", "use 'http://localhost:8000'"],
+        ),
         ({"vllm_mode": "server", "vllm_weight_sync": "nccl"}, ["vllm_weight_sync", "CUDA"]),
         ({"vllm_gpu_memory_utilization": 1.5}, ["vllm_gpu_memory_utilization"]),
         ({"vllm_server_timeout": 0}, ["vllm_server_timeout"]),
@@ -74,6 +78,35 @@ def test_generation_kwargs_are_checked_and_parsed(tmp_path):
         config(tmp_path, generation_kwargs={"not_a_setting": 1})
     with pytest.raises(ValueError, match="num_generations"):
         config(tmp_path, generation_kwargs={"num_return_sequences": 2})
+
+
+@pytest.mark.parametrize("mode", ["server", "colocate"])
+def test_vllm_generation_kwargs_are_the_sampling_params_a_server_takes(tmp_path, monkeypatch, mode):
+    """The same names in both modes, checked without vLLM (server mode needs none here): a server
+    would silently ignore others (GenerationConfig's no_repeat_ngram_size, num_beams) and SamplingParams
+    fields it does not take (detokenize)."""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if mode == "colocate" else None)
+    kwargs = {"min_tokens": 2, "stop": ["."], "presence_penalty": 0.5}
+    assert (
+        config(tmp_path, use_vllm=True, vllm_mode=mode, generation_kwargs=kwargs).generation_kwargs == kwargs
+    )
+    refused = {"no_repeat_ngram_size": 3, "num_beams": 4, "detokenize": False, "min_tokens": 2}
+    with pytest.raises(
+        ValueError, match=r"generation_kwargs: \['detokenize', 'no_repeat_ngram_size', 'num_beams'\]"
+    ):
+        config(tmp_path, use_vllm=True, vllm_mode=mode, generation_kwargs=refused)
+
+
+def test_server_waits_end_before_the_other_processes_collective_times_out(tmp_path, monkeypatch):
+    """With 2 processes, process 1 waits for process 0's server calls in a collective that fails after
+    ddp_timeout (1800 s by default): the server's timeouts must end first."""
+    monkeypatch.setattr(GRPOConfig, "world_size", property(lambda self: 2))
+    settings = dict(use_vllm=True, vllm_mode="server", vllm_server_request_timeout=1800)
+    with pytest.raises(
+        ValueError, match=r"vllm_server_request_timeout=1800 s must be below ddp_timeout=1800"
+    ):
+        config(tmp_path, **settings)
+    assert config(tmp_path, ddp_timeout=3600, **settings).vllm_server_request_timeout == 1800
 
 
 def test_use_transformers_paged_is_deprecated_for_continuous_batching(tmp_path):

@@ -131,12 +131,12 @@ def test_trainer_state_log_extra_and_log_metric_reach_the_logs(tmp_path, capsys)
     assert reward.steps == [0, 1]  # the step each round was scored at
     # log_metric: one value per round, logged at its step.
     assert [log["curriculum/step_plus_one"] for log in trainer.state.log_history[:2]] == [1.0, 2.0]
-    table = Dataset.from_parquet(str(tmp_path / "completions" / "completions_00001.parquet"))
+    table = Dataset.from_parquet(str(tmp_path / "_completions" / "completions_00001.parquet"))
     assert table.column_names == ["step", "prompt", "completion", "curriculum", "reward", "advantage", "ids"]
     assert table["ids"] == [3, 4, 5, 6] * 2 and table["step"] == [1] * 8  # the step it was logged at
     s = math.sqrt(5 / 3) + 1e-4  # rewards 3..6: std sqrt(5/3)
     assert table["advantage"] == pytest.approx([-1.5 / s, -0.5 / s, 0.5 / s, 1.5 / s] * 2, rel=1e-5)
-    assert (tmp_path / "completions" / "completions_00002.parquet").exists()
+    assert (tmp_path / "_completions" / "completions_00002.parquet").exists()
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  [+")]
     assert len(printed) == 16  # num_completions_to_print None: every completion, at both logs
     assert "{'curriculum': 3.0, 'ids': 3}" in printed[0]
@@ -253,7 +253,7 @@ def test_log_unique_prompts_keeps_one_row_per_prompt_in_the_wandb_table(tmp_path
     assert [row[1] for row in tables[0].data] == ["a", "b"]  # first row of each prompt
     assert tables[0].columns == ["step", "prompt", "completion", "reward", "advantage"]
     assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith("  [")]) == 2
-    assert len(Dataset.from_parquet(str(tmp_path / "completions" / "completions_00003.parquet"))) == 6
+    assert len(Dataset.from_parquet(str(tmp_path / "_completions" / "completions_00003.parquet"))) == 6
 
 
 class FakeHub:

@@ -216,7 +216,7 @@ def test_trl_settings_and_reward_functions(model_dir, tmp_path):
     steps = [entry for entry in history if "loss" in entry]
     assert len(steps) == 2
     assert not set(TRL_LOGGED_CUSTOM) - set(steps[0])  # rewards/<name>/*, log_metric's 'accuracy', ...
-    completions = tmp_path / "out" / "completions"  # log_completions: TRL's parquet tables
+    completions = tmp_path / "out" / "_completions"  # log_completions (TRL writes completions/)
     assert sorted(p.name for p in completions.iterdir())[:1] == ["completions_00001.parquet"]
 
 

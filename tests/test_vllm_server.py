@@ -1,16 +1,20 @@
 """Server mode without vLLM: `engine.vllm` against `fake_vllm_server.FakeVLLMServer` (the same HTTP
-endpoints), and the pure request planning both vLLM modes share. The real server is exercised by
-tests_vllm/ (run with the vLLM environment)."""
+endpoints), the pure request planning both vLLM modes share, and where colocate's engine starts
+from. The real server is exercised by tests_vllm/ (run with the vLLM environment)."""
 
+import importlib.util
 import json
 import os
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from accelerate import Accelerator
 from fake_vllm_server import FakeVLLMServer
+from huggingface_hub.utils import filter_repo_objects
 from peft import LoraConfig
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, free_port, length_reward, make_config
@@ -20,7 +24,10 @@ from grpo_hf import GRPOTrainer
 from grpo_hf.engine.generation import Sampling
 from grpo_hf.engine.generation_copy import policy_weights
 from grpo_hf.engine.vllm.client import VLLMClient
+from grpo_hf.engine.vllm.colocate import model_source
 from grpo_hf.engine.vllm.requests import plan_prompts, request_seed, rollout_from_samples, sampling_fields
+from grpo_hf.engine.vllm.server import ServerGenerator
+from grpo_hf.engine.vllm.weights import FileWeights, within
 from grpo_hf.training.checkpoints import STATE_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +115,59 @@ def test_no_server_is_a_connection_error_that_says_how_to_start_one():
     assert time.monotonic() - start < 5
 
 
+def test_a_url_that_is_not_a_servers_root_fails_at_once(server):
+    """A URL with /v1 after the root gets HTTP 404 from /health: something is up there, so an error
+    about the URL within seconds, not vllm_server_timeout's wait and a hint to start a server. An
+    HTTP 503 (up, not ready) is waited on."""
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"vllm_server_base_url .*without a path such as /v1"):
+        VLLMClient(server.url + "/v1", timeout=2.0).wait_until_up(30.0)
+    assert time.monotonic() - start < 5
+    server.health_status = 503
+    with pytest.raises(ConnectionError, match="not ready within vllm_server_timeout=1 s"):
+        VLLMClient(server.url, timeout=2.0).wait_until_up(1.0)
+
+
+def test_a_server_on_this_machine_is_reached_past_an_http_proxy(server, monkeypatch):
+    """urllib sends requests through http_proxy (here a dead port, no no_proxy): a server on this
+    machine is reached directly."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, dead)
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen reads the environment again
+    port = server.url.rsplit(":", 1)[1]
+    for host in ("127.0.0.1", "localhost"):
+        VLLMClient(f"http://{host}:{port}", timeout=2.0).request("GET", "/health")  # no ConnectionError
+
+
+def test_a_generation_round_is_bounded_as_a_whole(server):
+    """The round's requests together take at most vllm_server_request_timeout: four 1 s requests one
+    at a time against a 2.5 s timeout stop after it, though each alone answers in time."""
+    server.delay = 1.0
+    bodies = [{"prompt": [k], "n": 1, "max_tokens": 2, "seed": 0} for k in range(4)]
+    start = time.monotonic()
+    with pytest.raises(
+        TimeoutError, match="generation round's 4 requests within vllm_server_request_timeout"
+    ):
+        VLLMClient(server.url, timeout=2.5).complete_all(bodies, concurrency=1)
+    assert time.monotonic() - start < 3.5
+    assert len(VLLMClient(server.url, timeout=2.5).complete_all(bodies[:2], concurrency=1)) == 2
+
+
+def test_an_nccl_wait_is_given_up_after_the_request_timeout():
+    """NcclWeights runs its rendezvous and transfers through `within` (NCCL itself cannot run here): a
+    call that never returns (workers that never join) is a TimeoutError naming the setting; an
+    error is re-raised."""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="vllm_server_request_timeout=0.5 s"):
+        within(0.5, threading.Event().wait, "The NCCL weight transfer")
+    assert time.monotonic() - start < 2
+    with pytest.raises(KeyError, match="missing"):
+        within(5.0, lambda: {}["missing"], "A lookup")
+
+
 def test_a_slow_server_is_a_timeout_and_a_dead_one_a_connection_error(server):
     client = VLLMClient(server.url, timeout=0.5)
     server.delay = 3.0
@@ -152,6 +212,44 @@ def test_a_server_without_dev_mode_or_with_raw_logprobs_is_refused(tmp_path, ser
         server_trainer(tmp_path, server.url)
 
 
+def test_auto_weight_sync_without_vllm_here_sends_files(tmp_path, server, monkeypatch, caplog):
+    """A CUDA trainer and a server offering NCCL, but no vLLM on the trainer's side (server mode needs
+    none): 'auto' sends files and says which setting chooses, instead of a ModuleNotFoundError."""
+    args = make_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url)
+    server.weight_transfer_config = {"backend": "nccl"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    generator = ServerGenerator(args, Accelerator(cpu=True), None, None)
+    assert isinstance(generator.sender, FileWeights)
+    assert "vllm_weight_sync='files'" in caplog.text
+
+
+# ---- Colocate: where the engine starts from (no vLLM needed) ------------------------------------------
+
+
+def test_a_model_without_a_checkpoint_is_copied_out_of_the_upload(tmp_path, monkeypatch):
+    """A model built from a config has no checkpoint (name_or_path ''): the engine starts from a copy
+    in <output_dir>/_vllm-model, which push_to_hub leaves out, even with a stray config.json in the
+    current directory."""
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    output = tmp_path / "out"
+    source = model_source(make_config(output), Accelerator(cpu=True), tiny_llama(), TOKENIZER)
+    assert source == {"model": str(output / "_vllm-model"), "trust_remote_code": False}
+    assert (output / "_vllm-model" / "config.json").is_file()
+    files = [str(p.relative_to(output)) for p in output.rglob("*") if p.is_file()]
+    assert files and not list(filter_repo_objects(files, ignore_patterns=["_*", "checkpoint-*"]))
+
+
+def test_a_hub_model_starts_at_its_revision_with_its_remote_code(tmp_path):
+    model = tiny_llama()
+    model.name_or_path = "someone/tiny-llama"  # not a folder here: a hub id
+    args = make_config(tmp_path, model_init_kwargs={"revision": "v2"}, trust_remote_code=True)
+    assert model_source(args, Accelerator(cpu=True), model, TOKENIZER) == {
+        "model": "someone/tiny-llama", "revision": "v2", "tokenizer_revision": "v2", "trust_remote_code": True,
+    }  # fmt: skip
+
+
 # ---- Training through a server ------------------------------------------------------------------------
 
 
@@ -170,13 +268,49 @@ def test_lora_training_through_a_server(tmp_path, server):
     assert not torch.equal(first[q], second[q]) and torch.equal(
         first[mlp], second[mlp]
     )  # LoRA merged in q only
-    assert os.listdir(tmp_path / "vllm-weights") == ["update-2"]  # the previous update's file is gone
+    assert os.listdir(tmp_path / "_vllm-weights") == []  # each update gone after the next, the last at end
     bodies = server.completions()
     assert [body["n"] for body in bodies] == [4, 4, 4, 4]  # 2 prompts x G = 4 per round, 2 rounds
     assert len({body["seed"] for body in bodies}) == 4
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if n in before)
     logged = trainer.state.log_history[0]
     assert logged["sampler/ratio_mean"] > 0 and "reward" in logged
+
+
+def test_push_to_hub_uploads_no_weight_file_and_no_completion_log(tmp_path, server):
+    """What a LoRA run against a server leaves in output_dir, while it runs (weights loaded by the
+    server, checkpoints) and after it (the adapter saved), filtered as Trainer.push_to_hub and
+    _push_from_checkpoint filter it (transformers 5.24: ignore_patterns=["_*", "checkpoint-*"]): no
+    vLLM weight file and no completion log; the logs stay on disk; the last weight file is gone."""
+    ignore = ["_*", "checkpoint-*"]
+    trainer = server_trainer(
+        tmp_path, server.url, max_steps=2, log_completions=True, save_strategy="steps", save_steps=1
+    )
+    trainer.train()
+    trainer.save_model()
+    files = [str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*") if path.is_file()]
+    weights = [
+        str(Path(body["kwargs"]["weights_path"], "model.safetensors").relative_to(tmp_path))
+        for path, body in server.requests
+        if path == "/collective_rpc"
+    ]
+    logs = [name for name in files if name.endswith(".parquet")]
+    assert len(weights) == 2 and len(logs) == 2  # two updates, two logged steps
+    uploaded = list(filter_repo_objects(files + weights, ignore_patterns=ignore))
+    assert "adapter_model.safetensors" in uploaded
+    assert not [name for name in uploaded if "vllm" in name or name.endswith(".parquet")], uploaded
+    assert os.listdir(tmp_path / "_vllm-weights") == []
+
+
+def test_a_weight_file_the_server_could_not_load_is_removed(tmp_path, server):
+    sender = FileWeights(VLLMClient(server.url, 2.0), str(tmp_path / "weights"), torch.float32)
+    sender.send(iter([("w", torch.ones(2))]))
+    server.refuse_reload = True
+    with pytest.raises(RuntimeError, match="could not load the weights"):
+        sender.send(iter([("w", torch.zeros(2))]))
+    assert os.listdir(tmp_path / "weights") == ["update-1"]  # the weights the server holds
+    sender.close()
+    assert os.listdir(tmp_path / "weights") == []
 
 
 def test_a_server_dying_mid_run_stops_with_a_clear_error_and_the_run_resumes(tmp_path, server):
@@ -270,6 +404,22 @@ def test_two_processes_share_a_server_with_different_numbers_of_turns(tmp_path):
         "What is 0 + 0" in t or "What is 1 + 1" in t for t in first_round[4:]
     )  # turn 2: process 0's rows
     assert (tmp_path / "trained-0").read_text() == (tmp_path / "trained-1").read_text() == "1"
+
+
+def test_a_rollout_func_may_call_the_server_a_different_number_of_times_per_process(tmp_path, server):
+    """Process 0's rollout_func samples twice, process 1's once: process 1 joins the second call with
+    no rows instead of the run crashing on mismatched collectives. In the first call process 0 asks
+    for 2 tokens and process 1 for 128: the server samples up to 128 (fake server: sample j has j + 1
+    tokens then EOS) and only process 0's completions are cut to 2."""
+    launch_two_processes(ROOT / "tests" / "server_worker.py", [server.url, str(tmp_path), "uneven"], tmp_path)
+    zero = json.loads((tmp_path / "calls-0.json").read_text())
+    one = json.loads((tmp_path / "calls-1.json").read_text())
+    assert len(zero) == 2 and len(one) == 1
+    assert max(zero[0]) == 2 and max(one[0]) >= 3  # cut to 2 / the j = 1 samples: 2 tokens + EOS
+    bodies = server.completions()
+    first_round = 4  # 2 prompts per process
+    assert [body["max_tokens"] for body in bodies[:first_round]] == [128] * first_round
+    assert len(bodies) == first_round + 2  # the second call: process 0's 2 prompts only
 
 
 @pytest.mark.parametrize("config", ["cpu_fsdp2.yaml", "cpu_zero3.yaml"], ids=["fsdp2", "zero3"])

@@ -56,8 +56,12 @@ def vllm_settings(**overrides) -> dict:
 @contextmanager
 def shared_engine(generator):
     """Trainers built inside take `generator` (its engine) instead of starting one: one engine per
-    module. The generator follows the new trainer's settings, accelerator and policy."""
+    module. The generator follows the new trainer's settings, accelerator and policy; on leaving, it
+    has its own again (a later test would otherwise sample with, e.g., a tool test's
+    vllm_structured_outputs_regex) and takes its policy's weights at the next new version."""
     from grpo_hf import trainer as trainer_module
+
+    own = generator.args, generator.accelerator, generator.policy
 
     def reuse(args, accelerator, model, policy, tokenizer, sharded):
         generator.args, generator.accelerator, generator.policy, generator.version = (
@@ -68,8 +72,11 @@ def shared_engine(generator):
         )
         return generator
 
-    with mock.patch.object(trainer_module, "build_generator", reuse):
-        yield
+    try:
+        with mock.patch.object(trainer_module, "build_generator", reuse):
+            yield
+    finally:
+        generator.args, generator.accelerator, generator.policy = own
 
 
 @pytest.fixture(scope="session")

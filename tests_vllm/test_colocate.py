@@ -16,19 +16,36 @@ from helpers import (
     make_trainer,
 )
 
-from grpo_hf.config.grpo_config import GRPOConfig
+from grpo_hf.config import GRPOConfig
+from grpo_hf.config.generation_args import VLLM_SAMPLING_KEYS
+from grpo_hf.data import rollout
 from grpo_hf.engine.vllm.colocate import ColocateGenerator
+
+THREADS = 2  # torch's threads when the engine starts: not the 1 (OMP_NUM_THREADS) the tests run with
 
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     """A SmolLM2 + LoRA trainer whose engine every test of the module reuses."""
+    torch.set_num_threads(THREADS)
     return make_trainer(tmp_path_factory.mktemp("colocate"), **vllm_settings())
 
 
 def test_the_engine_is_in_process_and_training_keeps_its_threads(trainer):
+    """vLLM's CPU worker replaces torch.set_num_threads with a no-op: the trainer's thread count and
+    that function are as they were before the engine started."""
     assert isinstance(trainer.generator, ColocateGenerator)
-    assert torch.get_num_threads() >= 1 and torch.set_num_threads.__module__ == "torch"
+    assert torch.get_num_threads() == THREADS and torch.set_num_threads.__module__ == "torch"
+
+
+def test_the_generation_kwargs_names_are_vllms():
+    """config_generation.VLLM_SAMPLING_KEYS, written out so that the settings are checked without
+    vLLM, are vLLM's SamplingParams fields that its /v1/completions request also takes."""
+    from vllm import SamplingParams
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    fields = {name for name in SamplingParams.__struct_fields__ if not name.startswith("_")}
+    assert fields & set(CompletionRequest.model_fields) == VLLM_SAMPLING_KEYS
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -75,20 +92,28 @@ def test_two_turn_tool_episode(trainer, tmp_path):
 
 
 def test_generation_kwargs_reach_vllm_and_are_checked(trainer, tmp_path):
-    """generation_kwargs are SamplingParams keys with vLLM: min_tokens=6 (vLLM's name) keeps every
-    completion going 6 tokens before its EOS may come; an unknown key is refused before the engine
-    starts."""
+    """generation_kwargs are SamplingParams keys with vLLM: prompts whose answer is already written
+    (an EOS is likely next) have an EOS within 6 tokens in a control run, and none with the same seed
+    and min_tokens=6 (vLLM's name), which keeps every completion going 6 tokens before its EOS may
+    come; an unknown key is refused before the engine starts."""
     import dataclasses
 
-    from helpers import completions, prompts
+    from helpers import DATASET, completions
 
-    ids, mask = prompts(trainer, [8, 8, 9, 9])
-    settings = dataclasses.replace(trainer.sampling, generation_kwargs={"min_tokens": 6}, max_new_tokens=8)
-    rows = completions(
-        trainer.generator.generate(ids, mask, settings, policy_version=trainer.generator.version)
-    )
-    eos = trainer.sampling.eos_token_ids
-    assert all(len(row) >= 6 and not set(row[:6]) & set(eos) for row in rows)
+    tokenizer, example = trainer.processing_class, DATASET[8]
+    answered = rollout.render_prompt(tokenizer, example["prompt"]) + f"The answer is {example['answer']}."
+    ids, mask = rollout.tokenize_prompts(tokenizer, [answered] * 8, None, torch.device("cpu"))
+    eos = set(trainer.sampling.eos_token_ids)
+
+    def early_eos(generation_kwargs: dict) -> list[bool]:
+        settings = dataclasses.replace(
+            trainer.sampling, generation_kwargs=generation_kwargs, max_new_tokens=8
+        )
+        result = trainer.generator.generate(ids, mask, settings, policy_version=300)  # this trainer's weights
+        return [len(row) < 6 or bool(set(row[:6]) & eos) for row in completions(result)]
+
+    assert any(early_eos({"seed": 0}))  # a probe before the test: 2 of the first 4 stopped at once
+    assert not any(early_eos({"seed": 0, "min_tokens": 6}))
     with pytest.raises(ValueError, match="generation_kwargs.*SamplingParams"):
         make_trainer(tmp_path, **vllm_settings(generation_kwargs={"num_beams": 2}))
 

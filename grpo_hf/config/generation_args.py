@@ -24,6 +24,20 @@ logger = logging.getLogger(__name__)
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
 VLLM_WEIGHT_SYNCS = ("auto", "files", "nccl")
+# vLLM 0.32's SamplingParams fields that its /v1/completions request also takes: the generation_kwargs
+# either vLLM mode accepts. A server ignores a field it does not know (it only logs it), so a name is
+# checked here, before anything starts, without vLLM (tests_vllm/test_colocate.py compares the list
+# with vLLM's own classes).
+VLLM_SAMPLING_KEYS = frozenset(
+    (
+        "allowed_token_ids", "bad_words", "frequency_penalty", "ignore_eos", "include_stop_str_in_output",
+        "logit_bias", "logprob_token_ids", "logprobs", "max_tokens", "min_p", "min_tokens", "n",
+        "presence_penalty", "prompt_logprobs", "repetition_detection", "repetition_penalty",
+        "routed_experts_prompt_start", "seed", "skip_special_tokens", "spaces_between_special_tokens", "stop",
+        "stop_token_ids", "stream_interval", "structured_outputs", "temperature", "thinking_token_budget",
+        "top_k", "top_p", "watermarking",
+    )
+)  # fmt: skip
 
 
 @dataclass
@@ -36,8 +50,8 @@ class GenerationBackendArguments:
         metadata={
             "help": "More sampling settings, overriding the ones above where they clash: GenerationConfig "
             "keys for our decoder and transformers (e.g. no_repeat_ngram_size, suppress_tokens, num_beams; keys "
-            "our decoder does not implement switch to transformers' generate), vLLM SamplingParams keys "
-            "with vLLM (e.g. presence_penalty, stop, seed)."
+            "our decoder does not implement switch to transformers' generate), with vLLM the SamplingParams "
+            "keys its server also takes, in both modes (e.g. presence_penalty, stop, min_tokens)."
         },
     )
     cache_implementation: str | None = field(
@@ -93,7 +107,9 @@ class GenerationBackendArguments:
     )
     vllm_server_base_url: str | None = field(
         default=None,
-        metadata={"help": "Server: its URL, e.g. 'http://localhost:8000'; overrides host and port."},
+        metadata={
+            "help": "Server: its root URL, e.g. 'http://localhost:8000' (no /v1); overrides host and port."
+        },
     )
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server: its host, without base_url."})
     vllm_server_port: int = field(default=8000, metadata={"help": "Server: its port, without base_url."})
@@ -104,8 +120,9 @@ class GenerationBackendArguments:
     vllm_server_request_timeout: float = field(
         default=600.0,
         metadata={
-            "help": "(grpo-hf) Server: seconds one request (a generation round, a weight update) may take "
-            "before the run stops with an error instead of waiting."
+            "help": "(grpo-hf) Server: seconds a generation round (its requests together) or a weight update "
+            "may take before the run stops with an error instead of waiting; below ddp_timeout with several "
+            "processes."
         },
     )
     vllm_group_port: int = field(
@@ -123,7 +140,11 @@ class GenerationBackendArguments:
     )
     vllm_weight_sync_dir: str | None = field(
         default=None,
-        metadata={"help": "(grpo-hf) Server, 'files': the shared folder; default <output_dir>/vllm-weights."},
+        metadata={
+            "help": "(grpo-hf) Server, 'files': the shared folder; default <output_dir>/_vllm-weights (a '_' "
+            "folder: push_to_hub leaves it out). Each update is removed once the next is loaded, the last when "
+            "training ends."
+        },
     )
     vllm_gpu_memory_utilization: float = field(
         default=0.3,
@@ -237,6 +258,13 @@ class GenerationBackendArguments:
                 "use_transformers_continuous_batching and cache_implementation choose transformers' generation, "
                 "use_vllm chooses vLLM: unset one of them."
             )
+        unknown = sorted(set(self.generation_kwargs) - VLLM_SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(
+                f"generation_kwargs: {unknown} are not vLLM SamplingParams settings its server takes (with "
+                "use_vllm, generation_kwargs are vLLM 0.32 SamplingParams keys, e.g. min_tokens, stop, "
+                "presence_penalty; a server would silently ignore others); remove them."
+            )
         checks = [
             (self.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size must be >= 1"),
             (0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]"),
@@ -274,6 +302,21 @@ class GenerationBackendArguments:
                     f"vllm_server_base_url={self.vllm_base_url!r} is not an http(s) URL; use e.g. "
                     "'http://localhost:8000'."
                 )
+            if url.path.endswith("/v1"):
+                raise ValueError(
+                    f"vllm_server_base_url={self.vllm_base_url!r} ends in /v1 (an OpenAI client's base URL): "
+                    "grpo-hf calls the server's endpoints (/health, /v1/completions, the development ones) "
+                    f"under its root; use {self.vllm_base_url.removesuffix('/v1')!r}."
+                )
+            longest = max(self.vllm_server_timeout, self.vllm_server_request_timeout)
+            if self.world_size > 1 and longest >= self.ddp_timeout:
+                raise ValueError(
+                    f"vllm_server_timeout={self.vllm_server_timeout:g} s and vllm_server_request_timeout="
+                    f"{self.vllm_server_request_timeout:g} s must be below ddp_timeout={self.ddp_timeout} s: while "
+                    "process 0 waits for the server (its start, a generation round, a weight update), the other "
+                    "processes wait in a collective that fails after ddp_timeout with an error that does not say "
+                    "why. Lower them or raise ddp_timeout."
+                )
 
     @property
     def vllm_base_url(self) -> str:
@@ -284,4 +327,4 @@ class GenerationBackendArguments:
     @property
     def vllm_weights_folder(self) -> str:
         """Where 'files' weight sync writes the weights for the server."""
-        return self.vllm_weight_sync_dir or os.path.join(self.output_dir, "vllm-weights")
+        return self.vllm_weight_sync_dir or os.path.join(self.output_dir, "_vllm-weights")

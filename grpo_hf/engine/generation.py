@@ -17,10 +17,13 @@ Backends:
 
 A collective generator needs every process in every call (a server round gathers the prompts of
 all processes; sharded weights are all-gathered): `any_active` lets a loop whose length differs
-between processes (multi-turn episodes) keep calling with no rows until every process is done.
+between processes (multi-turn episodes) keep calling with no rows until every process is done, and
+`uneven_calls` does the same for code that does not know it (a user's `rollout_func`).
 """
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -55,6 +58,7 @@ class Generator(ABC):
         self.accelerator = accelerator
         self.version: int | None = None  # policy version whose weights the backend holds
         self.calls = 0  # generate calls since then (vLLM derives its request seeds from it)
+        self._uneven = False  # inside `uneven_calls`
 
     @property
     def collective(self) -> bool:
@@ -65,6 +69,13 @@ class Generator(ABC):
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, policy_version: int
     ) -> Rollout:
         """One completion per (B, P) left-padded prompt row (rows already repeat each prompt G times)."""
+        if self._uneven:
+            self.any_active(True)  # the processes done with their calls join this one (`uneven_calls`)
+        return self._generate_with_version(prompt_ids, prompt_mask, sampling, policy_version)
+
+    def _generate_with_version(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, policy_version: int
+    ) -> Rollout:
         if policy_version != self.version:
             self.load_policy()
             self.version, self.calls = policy_version, 0
@@ -77,6 +88,30 @@ class Generator(ABC):
             return active
         flag = torch.tensor([float(active)], device=self.accelerator.device)
         return bool(self.accelerator.reduce(flag, "sum").item() > 0)
+
+    @contextmanager
+    def uneven_calls(self, sampling: Sampling, policy_version: int) -> Iterator[None]:
+        """Within, processes may call `generate` different numbers of times (a rollout_func's own
+        turns). With a collective generator each call first tells the others it is made
+        (`any_active`); a process leaving the block joins the others' remaining calls with no rows
+        (with `sampling` and `policy_version`, those of the calls inside) until every process has
+        left it. An error inside leaves at once (the other processes then stop at the launcher)."""
+        if not self.collective or self.accelerator.num_processes == 1:
+            yield
+            return
+        self._uneven = True
+        try:
+            yield
+        finally:
+            self._uneven = False
+        nothing = torch.zeros((0, 0), dtype=torch.long, device=self.accelerator.device)  # (0, 0) no rows
+        while self.any_active(False):
+            self._generate_with_version(nothing, nothing, sampling, policy_version)
+
+    def close(self) -> None:
+        """Remove what the backend keeps on disk between weight updates (a server's last weight file);
+        called when training ends. The next call takes the policy's weights as usual."""
+        return None  # the local and colocate backends keep nothing
 
     @abstractmethod
     def load_policy(self) -> None:

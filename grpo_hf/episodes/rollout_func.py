@@ -17,11 +17,15 @@ Unlike our own rollouts, the completion is taken as returned: an EOS inside it (
 before an environment's reply) does not end it; it counts as truncated when its last token is not
 an EOS. To sample from the current policy inside `f`, call
 `trainer.generate_completions(prompt_ids, prompt_mask)` (it takes the policy's new weights first
-when they changed, for every backend, vLLM included).
+when they changed, for every backend, vLLM included). Processes may call it different numbers of
+times (episodes that end at different turns): `f` runs inside the generator's `uneven_calls`, so
+with a collective generator (a vLLM server, sharded weights) a process whose `f` has returned
+joins the others' remaining calls with no rows.
 """
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -43,9 +47,12 @@ def call_rollout_func(
     tokenizer: PreTrainedTokenizerBase,
     eos_token_ids: list[int],
     device: torch.device,
+    calls: AbstractContextManager | None = None,
 ) -> tuple[Rollout, list, dict[str, list]]:
-    """Run `func(prompts, trainer)`; its rollout, the decoded completions, and its extra columns."""
-    output = func(prompts, trainer)
+    """Run `func(prompts, trainer)` inside `calls` (the generator's `uneven_calls`); its rollout, the
+    decoded completions, and its extra columns."""
+    with calls or nullcontext():
+        output = func(prompts, trainer)
     missing = sorted(set(REQUIRED) - set(output))
     if missing:
         raise ValueError(f"rollout_func must return keys {missing} in its output dict.")

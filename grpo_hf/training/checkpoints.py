@@ -226,3 +226,21 @@ class NonFiniteGuard(TrainerCallback):
                 "written). Lower learning_rate, set max_grad_norm, or check the reward functions; "
                 "max_nonfinite_steps sets the limit."
             )
+
+
+def grpo_state(trainer) -> dict:
+    """What a checkpoint holds of a `GRPOTrainer` besides the Trainer's files (`write_state`): beta,
+    the round's KL values, the extra prompt stream's position, the entropy coefficient's state."""
+    return {
+        "beta": trainer.beta,
+        "round_kl": trainer._round_kl,
+        "extra_prompts": trainer.extra_rounds.position,
+        "entropy": trainer.entropy_control.state_dict(),
+    }
+
+
+def load_grpo_state(trainer, state: dict) -> None:
+    """Restore what `grpo_state` saved into `trainer`."""
+    trainer.beta, trainer._round_kl = state["beta"], state["round_kl"]
+    trainer.extra_rounds.position = state.get("extra_prompts", 0)  # absent in checkpoints older than it
+    trainer.entropy_control.load_state_dict(state.get("entropy", trainer.entropy_control.state_dict()))

@@ -6,7 +6,9 @@ weighted `reward`, the `advantage`, then the columns reward functions logged wit
 each log the main process (`CompletionLog.flush`):
 - prints `num_completions_to_print` rows drawn at random (None: all);
 - sends the table to wandb when it is a reporter (`log_unique_prompts`: one row per prompt there);
-- writes every row to `<output_dir>/completions/completions_<step>.parquet`;
+- writes every row to `<output_dir>/_completions/completions_<step>.parquet` (TRL writes them to
+  `completions/`, which `push_to_hub` then uploads with the model; a `_` folder it leaves out:
+  `log_completions_hub_repo` is the way to publish them);
 - with `log_completions_hub_repo`, uploads the new files to that Hub dataset repo on a helper
   thread, at most one upload at a time and one every `UPLOAD_EVERY` seconds, and the rest when
   training ends (`finish`). The repo is created when the trainer is built, so a wrong name or a
@@ -207,7 +209,7 @@ class CompletionLog(TrainerCallback):
     def __init__(self, args: GRPOConfig, is_main_process: bool):
         self.args = args
         self.rows: list[dict] = []
-        self.folder = os.path.join(args.output_dir, "completions")
+        self.folder = os.path.join(args.output_dir, "_completions")  # '_': push_to_hub leaves it out
         self.uploader = None
         if is_main_process and args.log_completions and args.log_completions_hub_repo is not None:
             self.uploader = HubUploader(args.log_completions_hub_repo, self.folder, args.hub_private_repo)

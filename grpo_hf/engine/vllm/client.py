@@ -3,24 +3,37 @@
 Endpoints: `/health`, `/v1/completions` (token ids in, token ids and log-probs out), and the
 development ones a server exposes with `VLLM_SERVER_DEV_MODE=1`: `/server_info`,
 `/collective_rpc` (reload_weights), `/reset_prefix_cache`; `/get_world_size` for NCCL.
-Standard library only, so a trainer that only talks to a server needs no vLLM installed.
-`abort()` ends a client's requests in flight at once (async GRPO's generation thread stops within
-seconds, not after a request's timeout).
+Standard library only, so a trainer that only talks to a server needs no vLLM installed. urllib
+sends requests through `http_proxy` / `https_proxy` unless `no_proxy` lists the host; a server on
+this machine (localhost, 127.0.0.1, ::1, 0.0.0.0) is always reached directly. `abort()` ends a
+client's requests in flight at once (async GRPO's generation thread stops within seconds, not after
+a request's timeout).
 """
 
 import http.client
+import ipaddress
 import json
 import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 START_COMMAND = (
     "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <the policy's model> "
     "--logprobs-mode processed_logprobs --port <port> (README, 'vLLM server mode')"
 )
+
+
+class ServerAnswer(RuntimeError):
+    """The server answered with an HTTP error `status` (it is up, and refused the request)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class VLLMClient:
@@ -32,10 +45,12 @@ class VLLMClient:
         self._connections: set[http.client.HTTPConnection] = set()  # open now, for `abort`
         self._lock = threading.Lock()
         self.aborted = False
-        tracked = (
+        handlers = [
             _tracked(handler, self) for handler in (urllib.request.HTTPHandler, urllib.request.HTTPSHandler)
-        )
-        self._opener = urllib.request.build_opener(*tracked)
+        ]
+        if _on_this_machine(urllib.parse.urlparse(self.base_url).hostname):
+            handlers.append(urllib.request.ProxyHandler({}))  # no http_proxy for a local server
+        self._opener = urllib.request.build_opener(*handlers)
 
     def abort(self) -> None:
         """End every request in flight (it raises ConnectionError) and refuse new ones."""
@@ -65,13 +80,14 @@ class VLLMClient:
                 text = response.read().decode()
         except urllib.error.HTTPError as error:
             detail = error.read().decode(errors="replace")[:500]
-            if error.code == 404 and path != "/v1/completions":
-                raise RuntimeError(
+            if error.code == 404 and path not in ("/v1/completions", "/health"):
+                raise ServerAnswer(
                     f"The vLLM server at {self.base_url} has no {path}: start it with VLLM_SERVER_DEV_MODE=1 "
-                    f"(grpo-hf updates its weights through its development endpoints): {START_COMMAND}."
+                    f"(grpo-hf updates its weights through its development endpoints): {START_COMMAND}.",
+                    error.code,
                 ) from error
-            raise RuntimeError(
-                f"The vLLM server at {self.base_url} refused {path} ({error.code}): {detail}"
+            raise ServerAnswer(
+                f"The vLLM server at {self.base_url} refused {path} ({error.code}): {detail}", error.code
             ) from error
         except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
             reason = error.reason if isinstance(error, urllib.error.URLError) else error
@@ -90,13 +106,28 @@ class VLLMClient:
         return json.loads(text) if text.strip() else {}
 
     def wait_until_up(self, total_timeout: float) -> None:
-        """Poll /health until the server answers; ConnectionError after `total_timeout` seconds."""
+        """Poll /health until the server answers; ConnectionError after `total_timeout` seconds. An
+        HTTP 5xx (a server, or a proxy in front of one, not ready yet) is waited on like no answer;
+        another error status (404: a URL with a path such as /v1) is a ValueError at once."""
         deadline = time.monotonic() + total_timeout
         while True:
             try:
                 self.request("GET", "/health", timeout=min(10.0, total_timeout))
                 return
-            except (ConnectionError, TimeoutError, RuntimeError) as error:
+            except ServerAnswer as error:
+                if error.status < 500:
+                    raise ValueError(
+                        f"{self.base_url}/health answered HTTP {error.status}: something is up at {self.base_url}, "
+                        "but it is not a vLLM server's root URL. Set vllm_server_base_url (or vllm_server_host / "
+                        "vllm_server_port) to the server's root, without a path such as /v1 (e.g. "
+                        "'http://localhost:8000')."
+                    ) from error
+                if time.monotonic() >= deadline:
+                    raise ConnectionError(
+                        f"The vLLM server at {self.base_url} was not ready within vllm_server_timeout="
+                        f"{total_timeout:g} s ({error})."
+                    ) from error
+            except (ConnectionError, TimeoutError) as error:
                 if time.monotonic() >= deadline:
                     raise ConnectionError(
                         f"No vLLM server came up at {self.base_url} within vllm_server_timeout={total_timeout:g} s "
@@ -111,6 +142,27 @@ class VLLMClient:
     def complete(self, body: dict) -> dict:
         """POST /v1/completions."""
         return self.request("POST", "/v1/completions", body)
+
+    def complete_all(self, bodies: list[dict], concurrency: int = 32) -> list[dict]:
+        """POST each body to /v1/completions, `concurrency` at a time, all of them within `timeout`
+        seconds (a generation round: the other training processes wait for it in a collective)."""
+        deadline = time.monotonic() + self.timeout
+
+        def complete(body: dict) -> dict:
+            try:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                return self.request("POST", "/v1/completions", body, timeout=left)
+            except TimeoutError as error:
+                raise TimeoutError(
+                    f"The vLLM server at {self.base_url} did not answer a generation round's {len(bodies)} "
+                    f"requests within vllm_server_request_timeout={self.timeout:g} s; is it overloaded or stuck? "
+                    "Raise the timeout (below ddp_timeout) or restart it."
+                ) from error
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), concurrency))) as pool:
+            return list(pool.map(complete, bodies))
 
     def reload_weights(self, folder: str) -> None:
         """Load the safetensors weights in `folder` (a path the server sees) into the served model."""
@@ -158,3 +210,14 @@ def _tracked(handler: type, client: VLLMClient) -> urllib.request.BaseHandler:
                     client._connections.difference_update(made)
 
     return Tracked()
+
+
+def _on_this_machine(host: str | None) -> bool:
+    """Whether `host` names this machine: localhost, a loopback address, or 0.0.0.0 / ::."""
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_unspecified

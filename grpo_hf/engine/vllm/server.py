@@ -4,19 +4,24 @@ Each generation call is collective. Every process's prompt rows are gathered; pr
 distinct prompt once (one /v1/completions request with n = its rows, the requests concurrent) and
 hands every process back its own rows by the row counts gathered from each, so processes may hold
 different numbers of rows (multi-turn episodes: a process whose episodes have ended takes part with
-none). New weights, once per policy version: whole (gathered under FSDP2 / ZeRO-3), LoRA merged,
-sent by process 0 (`weights.FileWeights` or `weights.NcclWeights`), then the prefix cache reset.
+none) and ask for different lengths (the round samples the longest; each process cuts its own).
+New weights, once per policy version: whole (gathered under FSDP2 / ZeRO-3), LoRA merged, sent by
+process 0 (`weights.FileWeights` or `weights.NcclWeights`), then the prefix cache reset.
 
 Whatever process 0 meets (no server, a timeout, a refusal) reaches every process as the same error
-(`_on_main`), so no process waits forever for a peer that has failed.
+(`_on_main`), so no process waits forever for a peer that has failed. The others wait for process 0
+in a collective, which fails after `ddp_timeout`: the start (vllm_server_timeout), a generation
+round and a weight update (vllm_server_request_timeout each, the round's requests together) are
+bounded below it (checked with the settings).
 
 `generate_alone` is the one call that is not collective: a process's own rows, sent by that
 process, from whatever weights the server holds (async GRPO's generation thread, which must issue
 no collective while the training thread does; `episodes.async_rounds`).
 """
 
+import importlib.util
+import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from accelerate import Accelerator
@@ -37,6 +42,8 @@ from grpo_hf.engine.vllm.requests import (
 )
 from grpo_hf.engine.vllm.weights import FileWeights, NcclWeights, vllm_weights
 from grpo_hf.models.sharding import unsharded_for_generation
+
+logger = logging.getLogger(__name__)
 
 _ERRORS = {error.__name__: error for error in (ConnectionError, TimeoutError, RuntimeError, ValueError)}
 
@@ -88,9 +95,7 @@ class ServerGenerator(Generator):
                 "sampled from: restart it with --logprobs-mode processed_logprobs."
             )
         backend = (config.get("weight_transfer_config") or {}).get("backend")
-        mode = args.vllm_weight_sync
-        if mode == "auto":
-            mode = "nccl" if backend == "nccl" and torch.cuda.is_available() else "files"
+        mode = args.vllm_weight_sync if args.vllm_weight_sync != "auto" else _auto_weight_sync(backend)
         if mode == "nccl":
             if backend != "nccl":
                 raise ValueError(
@@ -102,6 +107,11 @@ class ServerGenerator(Generator):
             dtype = getattr(torch, str(model_config["dtype"]).removeprefix("torch."))
             self.sender = FileWeights(self.client, args.vllm_weights_folder, dtype)
 
+    def close(self) -> None:
+        """Remove the last weight file (process 0's; nothing over the network)."""
+        if self.sender is not None:
+            self.sender.close()
+
     def load_policy(self) -> None:
         model = self.policy()
         with unsharded_for_generation(model, self.accelerator):
@@ -109,12 +119,19 @@ class ServerGenerator(Generator):
         self._on_main(self.client.reset_prefix_cache)
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:
-        rows = prompt_rows(prompt_ids, prompt_mask)
-        everyone = gather_object([rows]) if self.accelerator.num_processes > 1 else [rows]
-        per_process = self._on_main(lambda: self._complete(everyone, sampling))
-        return rollout_from_samples(
-            prompt_ids, prompt_mask, per_process[self.accelerator.process_index], sampling
-        )
+        mine = (prompt_rows(prompt_ids, prompt_mask), sampling.max_new_tokens)
+        gathered = gather_object([mine]) if self.accelerator.num_processes > 1 else [mine]
+        everyone = [rows for rows, _ in gathered]
+        # Processes may ask for different lengths (episodes' budgets): the round samples up to the
+        # longest a process with rows asked for, and each process cuts its own to its length.
+        longest = max((limit for rows, limit in gathered if rows), default=sampling.max_new_tokens)
+        round_sampling = sampling.with_max_new_tokens(longest)
+        per_process = self._on_main(lambda: self._complete(everyone, round_sampling))
+        limit = sampling.max_new_tokens
+        samples = [
+            (tokens[:limit], logps[:limit]) for tokens, logps in per_process[self.accelerator.process_index]
+        ]
+        return rollout_from_samples(prompt_ids, prompt_mask, samples, sampling)
 
     def _complete(self, everyone: list[list[list[int]]], sampling: Sampling) -> list[Samples]:
         """Every process's rows -> one request per distinct prompt -> every process's samples."""
@@ -161,17 +178,31 @@ def complete_rows(
     max_requests: int,
 ) -> list[Samples]:
     """Each process's prompt rows -> one request per distinct prompt (request k seeded `seed(k)`, at
-    most `max_requests` at once) -> each process's samples."""
+    most `max_requests` at once, all within the client's timeout) -> each process's samples."""
     prompts, counts, slots = plan_prompts([row for rows in everyone for row in rows])
     bodies = [
         {"prompt": prompt, "return_token_ids": True, **sampling_fields(sampling, n, seed(k), regex)}
         for k, (prompt, n) in enumerate(zip(prompts, counts, strict=True))
     ]
-    with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), max_requests))) as pool:
-        answers = list(pool.map(client.complete, bodies))
+    answers = client.complete_all(bodies, max_requests)
     per_row = samples_for_rows([_samples(a, n) for a, n in zip(answers, counts, strict=True)], slots)
     starts = [sum(len(rows) for rows in everyone[:p]) for p in range(len(everyone))]
     return [per_row[start : start + len(rows)] for start, rows in zip(starts, everyone, strict=True)]
+
+
+def _auto_weight_sync(backend: str | None) -> str:
+    """vllm_weight_sync='auto': NCCL where the server offers it, CUDA is here and so is vLLM (its
+    weight-transfer client), else files."""
+    if backend != "nccl" or not torch.cuda.is_available():
+        return "files"
+    if importlib.util.find_spec("vllm") is None:
+        logger.warning(
+            "The vLLM server offers NCCL weight transfer, but vLLM (its weight-transfer client) is not installed "
+            "here: new weights go as files to vllm_weight_sync_dir, which the server must read at the same path. "
+            "Install vLLM here to send them over NCCL, or set vllm_weight_sync='files'."
+        )
+        return "files"
+    return "nccl"
 
 
 def _samples(answer: dict, n: int) -> Samples:

@@ -8,13 +8,16 @@ The weights must be whole: the caller holds `sharding.unsharded_for_generation` 
 Server mode sends them either as files (`FileWeights`: a safetensors file in a folder the server
 reads, then `/collective_rpc reload_weights`; works between any two hosts that share a folder,
 no NCCL) or over NCCL (`NcclWeights`: vLLM's weight-transfer API, trainer process 0 broadcasting
-to the server's workers; CUDA only, so it was not run on the CPU machines this was built on).
+to the server's workers; CUDA only, so it was not run on the CPU machines this was built on; its
+calls were read against vLLM 0.32's source). An NCCL call whose peer never comes blocks for ever:
+the rendezvous and each transfer run on a helper thread, given up after vllm_server_request_timeout.
 """
 
 import os
 import shutil
 import socket
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from urllib.parse import urlparse
 
 import torch
@@ -45,7 +48,10 @@ def vllm_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class FileWeights:
-    """Weights as one safetensors file per update in `folder`, loaded by the server's reload_weights."""
+    """Weights as one safetensors file per update in `folder`, loaded by the server's reload_weights.
+
+    Each update (a whole copy of the policy) is removed once the next is loaded, or at once when the
+    server could not load it; `close` removes the last one (the server holds it in memory)."""
 
     def __init__(self, client: VLLMClient, folder: str, dtype: torch.dtype):
         self.client, self.folder, self.dtype = client, os.path.abspath(folder), dtype
@@ -62,10 +68,19 @@ class FileWeights:
         save_file(tensors, os.path.join(path + ".tmp", "model.safetensors"))
         shutil.rmtree(path, ignore_errors=True)
         os.replace(path + ".tmp", path)
-        self.client.reload_weights(path)
-        if self._current not in (None, path):
-            shutil.rmtree(self._current, ignore_errors=True)  # the server holds the new weights now
+        try:
+            self.client.reload_weights(path)
+        except Exception:
+            shutil.rmtree(path, ignore_errors=True)  # the server still holds the previous update
+            raise
+        self.close()  # the server holds the new weights now
         self._current = path
+
+    def close(self) -> None:
+        """Remove the last update's folder."""
+        if self._current is not None:
+            shutil.rmtree(self._current, ignore_errors=True)
+            self._current = None
 
 
 class NcclWeights:
@@ -93,18 +108,51 @@ class NcclWeights:
             def __iter__(self):
                 return iter(tensors)
 
-        if self.engine is None:
-            info = NCCLTrainerInitInfo(
-                master_address=_address_towards(self.client.base_url),
-                master_port=self.group_port,
-                world_size=self.client.world_size() + 1,
-                rank=0,
-            )
-            self.engine = WeightTransferTrainerFactory.trainer_init(
-                info, client=self.sync_client, source=Source()
-            )
-        self.engine.source = Source()
-        self.engine.send_weights()
+        device = torch.cuda.current_device()
+
+        def transfer() -> None:
+            torch.cuda.set_device(device)  # a new thread starts on device 0
+            if self.engine is None:
+                info = NCCLTrainerInitInfo(
+                    master_address=_address_towards(self.client.base_url),
+                    master_port=self.group_port,
+                    world_size=self.client.world_size() + 1,
+                    rank=0,
+                )
+                self.engine = WeightTransferTrainerFactory.trainer_init(
+                    info, client=self.sync_client, source=Source()
+                )
+            self.engine.source = Source()
+            self.engine.send_weights()
+
+        within(self.client.timeout, transfer, "The NCCL weight transfer to the vLLM server")
+
+    def close(self) -> None:
+        """Nothing on disk to remove."""
+
+
+def within(seconds: float, work: Callable[[], None], what: str) -> None:
+    """`work()` on a daemon thread (one left blocked does not keep the process from exiting), given
+    up after `seconds` with a TimeoutError; its own error re-raised."""
+    errors: list[Exception] = []
+
+    def run() -> None:
+        try:
+            work()
+        except Exception as error:  # handed to the caller
+            errors.append(error)
+
+    worker = threading.Thread(target=run, daemon=True, name="vllm-weights")
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError(
+            f"{what} did not finish within vllm_server_request_timeout={seconds:g} s (the server's workers "
+            "never joined, or stopped mid-transfer); check the server's log, --weight-transfer-config and that "
+            "vllm_group_port is open, or set vllm_weight_sync='files'."
+        )
+    if errors:
+        raise errors[0]
 
 
 def _address_towards(base_url: str) -> str:
