@@ -29,7 +29,6 @@ from vllm_backend import machine, policy
 from grpo_hf import GRPOConfig
 from grpo_hf.data import rollout
 from grpo_hf.engine.backends import build_generator
-from grpo_hf.engine.generation import sampling_settings
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.models.loading import DEFAULT_MODEL, load_tokenizer
 from grpo_hf.tasks import arithmetic_dataset
@@ -59,9 +58,17 @@ def sample(args: argparse.Namespace, model: torch.nn.Module, output_dir: str) ->
         per_device_train_batch_size=args.prompts * args.num_generations, use_vllm=True,
         vllm_kv_cache_memory_bytes=512 * 2**20, vllm_max_model_length=1024, vllm_enforce_eager=True,
     )  # fmt: skip
-    generator = build_generator(config, Accelerator(cpu=True), model, lambda: model, tokenizer, sharded=False)
+    sampling = config.sampling(rollout.eos_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    generator = build_generator(
+        config.generation_settings(),
+        sampling,
+        Accelerator(cpu=True),
+        model,
+        lambda: model,
+        tokenizer,
+        sharded=False,
+    )
     generator.load_policy()
-    sampling = sampling_settings(config, rollout.eos_token_ids(model, tokenizer), tokenizer.pad_token_id)
     rows = arithmetic_dataset(num_train=args.prompts, num_test=1)["train"]
     texts = [
         rollout.render_prompt(tokenizer, [{"role": "user", "content": row["prompt"][-1]["content"] + ASK}])

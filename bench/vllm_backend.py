@@ -5,7 +5,7 @@
     python bench/vllm_backend.py --sides vllm --enforce-eager --output bench/results/vllm_eager.json
 
 Run it with the vLLM environment's Python (`make bench-vllm` does). Both sides generate through
-`engine.generation.build_generator` with the same sampling (temperature 1, no truncation), the
+`engine.backends.build_generator` with the same sampling (temperature 1, no truncation), the
 same policy (SmolLM2-135M-Instruct with LoRA on q/k/v/o, its adapter made non-zero), in float32:
 - startup: building the generator (ours: the LoRA-merged generation copy; vLLM: importing vLLM
   and starting the in-process engine);
@@ -34,7 +34,6 @@ from peft import LoraConfig, get_peft_model
 from grpo_hf import GRPOConfig
 from grpo_hf.data import rollout
 from grpo_hf.engine.backends import build_generator
-from grpo_hf.engine.generation import sampling_settings
 from grpo_hf.models.loading import DEFAULT_MODEL, load_model, load_tokenizer
 from grpo_hf.tasks import arithmetic_dataset
 
@@ -91,9 +90,11 @@ def measure(side: str, args: argparse.Namespace, model: torch.nn.Module, output_
     config = GRPOConfig(**settings)
     accelerator = Accelerator(cpu=config.use_cpu)
     start = time.perf_counter()
-    generator = build_generator(config, accelerator, model, lambda: model, tokenizer, sharded=False)
+    sampling = config.sampling(rollout.eos_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    generator = build_generator(
+        config.generation_settings(), sampling, accelerator, model, lambda: model, tokenizer, sharded=False
+    )
     startup = time.perf_counter() - start
-    sampling = sampling_settings(config, rollout.eos_token_ids(model, tokenizer), tokenizer.pad_token_id)
     dataset = arithmetic_dataset(num_train=args.prompts, num_test=1)["train"]
     texts = [
         rollout.render_prompt(tokenizer, row["prompt"])

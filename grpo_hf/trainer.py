@@ -57,7 +57,6 @@ from grpo_hf.data.rollout import ScoredRound
 from grpo_hf.data.streaming import extra_prompt_source, group_stream, read_in_process
 from grpo_hf.engine import precision_line
 from grpo_hf.engine.backends import build_generator
-from grpo_hf.engine.generation import sampling_settings
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.episodes.async_rounds import async_rounds, stopping
 from grpo_hf.episodes.dynamic_sampling import ExtraRounds, gather_round, sample_teaching_groups
@@ -184,11 +183,12 @@ class GRPOTrainer(Trainer):
         self.environments: list | None = None  # the environments of the latest rollouts (TRL's attribute)
 
     def _set_up_generation(self, processing_class: PreTrainedTokenizerBase) -> None:
-        """The sampling settings and the generator (`engine.generation.build_generator`)."""
+        """The sampling settings and the generator (`engine.backends.build_generator`)."""
         self.eos_token_ids = rollout.eos_token_ids(self.model, processing_class)
-        self.sampling = sampling_settings(self.args, self.eos_token_ids, processing_class.pad_token_id)
+        self.sampling = self.args.sampling(self.eos_token_ids, processing_class.pad_token_id)
         self.generator = build_generator(
-            self.args,
+            self.args.generation_settings(),
+            self.sampling,
             self.accelerator,
             self.model,
             lambda: self.accelerator.unwrap_model(self.model),

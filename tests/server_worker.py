@@ -20,7 +20,8 @@ from dist_worker import exit_worker, force_fsdp_on_cpu
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, length_reward, make_config
 
-from grpo_hf import GRPOTrainer, rollout
+from grpo_hf import GRPOTrainer
+from grpo_hf.data import rollout
 
 
 def add(a: int, b: int) -> int:

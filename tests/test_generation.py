@@ -126,7 +126,7 @@ def test_use_transformers_paged_is_deprecated_for_continuous_batching(tmp_path):
     ],
 )
 def test_the_backend_is_chosen_from_the_settings(tmp_path, kwargs, method):
-    assert local_method(config(tmp_path, **kwargs)) == method
+    assert local_method(config(tmp_path, **kwargs).generation_settings()) == method
 
 
 # ---- Weights: once per policy version ---------------------------------------------------------------

@@ -219,7 +219,7 @@ def test_auto_weight_sync_without_vllm_here_sends_files(tmp_path, server, monkey
     server.weight_transfer_config = {"backend": "nccl"}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    generator = ServerGenerator(args, Accelerator(cpu=True), None, None)
+    generator = ServerGenerator(args.generation_settings(), Accelerator(cpu=True), None, None)
     assert isinstance(generator.sender, FileWeights)
     assert "vllm_weight_sync='files'" in caplog.text
 
@@ -234,7 +234,7 @@ def test_a_model_without_a_checkpoint_is_copied_out_of_the_upload(tmp_path, monk
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     output = tmp_path / "out"
-    source = model_source(make_config(output), Accelerator(cpu=True), tiny_llama(), TOKENIZER)
+    source = model_source(make_config(output).vllm_settings(), Accelerator(cpu=True), tiny_llama(), TOKENIZER)
     assert source == {"model": str(output / "_vllm-model"), "trust_remote_code": False}
     assert (output / "_vllm-model" / "config.json").is_file()
     files = [str(p.relative_to(output)) for p in output.rglob("*") if p.is_file()]
@@ -245,7 +245,7 @@ def test_a_hub_model_starts_at_its_revision_with_its_remote_code(tmp_path):
     model = tiny_llama()
     model.name_or_path = "someone/tiny-llama"  # not a folder here: a hub id
     args = make_config(tmp_path, model_init_kwargs={"revision": "v2"}, trust_remote_code=True)
-    assert model_source(args, Accelerator(cpu=True), model, TOKENIZER) == {
+    assert model_source(args.vllm_settings(), Accelerator(cpu=True), model, TOKENIZER) == {
         "model": "someone/tiny-llama", "revision": "v2", "tokenizer_revision": "v2", "trust_remote_code": True,
     }  # fmt: skip
 

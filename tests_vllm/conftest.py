@@ -61,11 +61,11 @@ def shared_engine(generator):
     vllm_structured_outputs_regex) and takes its policy's weights at the next new version."""
     from grpo_hf import trainer as trainer_module
 
-    own = generator.args, generator.accelerator, generator.policy
+    own = generator.settings, generator.accelerator, generator.policy
 
-    def reuse(args, accelerator, model, policy, tokenizer, sharded):
-        generator.args, generator.accelerator, generator.policy, generator.version = (
-            args,
+    def reuse(settings, sampling, accelerator, model, policy, tokenizer, sharded):
+        generator.settings, generator.accelerator, generator.policy, generator.version = (
+            settings,
             accelerator,
             policy,
             None,
@@ -76,7 +76,7 @@ def shared_engine(generator):
         with mock.patch.object(trainer_module, "build_generator", reuse):
             yield
     finally:
-        generator.args, generator.accelerator, generator.policy = own
+        generator.settings, generator.accelerator, generator.policy = own
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig
 
 from grpo_hf.config.checks import check_choices, check_dicts, check_ranges
+from grpo_hf.engine.generation import GenerationSettings, Sampling, VLLMSettings
 from grpo_hf.engine.vllm import VLLM_INSTALL
 
 logger = logging.getLogger(__name__)
@@ -317,6 +318,68 @@ class GenerationBackendArguments:
                     "processes wait in a collective that fails after ddp_timeout with an error that does not say "
                     "why. Lower them or raise ddp_timeout."
                 )
+
+    def sampling(self, eos_token_ids: list[int], pad_token_id: int) -> Sampling:
+        """What each generation call samples (cache_implementation joins the GenerationConfig keys)."""
+        extra = dict(self.generation_kwargs)
+        if self.cache_implementation is not None:
+            extra["cache_implementation"] = self.cache_implementation
+        return Sampling(
+            max_new_tokens=self.max_completion_length,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+            generation_kwargs=extra,
+            seed=self.seed,
+        )
+
+    def generation_settings(self) -> GenerationSettings:
+        """What the engine takes of these settings, typed (`engine.generation.GenerationSettings`)."""
+        return GenerationSettings(
+            generation_backend=self.generation_backend,
+            generation_dtype=self.generation_dtype,
+            bf16=bool(self.bf16),
+            cache_implementation=self.cache_implementation,
+            generation_kwargs=dict(self.generation_kwargs),
+            use_transformers_continuous_batching=self.use_transformers_continuous_batching,
+            transformers_continuous_batching_config=self.transformers_continuous_batching_config,
+            ds3_gather_for_generation=self.ds3_gather_for_generation,
+            seed=self.seed,
+            vllm=self.vllm_settings() if self.generation_backend == "vllm" else None,
+        )
+
+    def vllm_settings(self) -> VLLMSettings:
+        """The vLLM backends' settings (`engine.generation.VLLMSettings`)."""
+        return VLLMSettings(
+            vllm_mode=self.vllm_mode,
+            vllm_base_url=self.vllm_base_url,
+            vllm_server_timeout=self.vllm_server_timeout,
+            vllm_server_request_timeout=self.vllm_server_request_timeout,
+            vllm_weight_sync=self.vllm_weight_sync,
+            vllm_weights_folder=self.vllm_weights_folder,
+            vllm_group_port=self.vllm_group_port,
+            vllm_structured_outputs_regex=self.vllm_structured_outputs_regex,
+            vllm_tensor_parallel_size=self.vllm_tensor_parallel_size,
+            vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+            vllm_max_model_length=self.vllm_max_model_length,
+            vllm_kv_cache_memory_bytes=self.vllm_kv_cache_memory_bytes,
+            vllm_enforce_eager=self.vllm_enforce_eager,
+            vllm_enable_sleep_mode=self.vllm_enable_sleep_mode,
+            vllm_model_impl=self.vllm_model_impl,
+            vllm_engine_kwargs=self.vllm_engine_kwargs,
+            max_num_seqs=self.per_device_train_batch_size
+            * self.vllm_tensor_parallel_size
+            * self.steps_per_generation,
+            model_copy_dir=os.path.join(
+                os.path.abspath(self.output_dir), "_vllm-model"
+            ),  # push_to_hub skips '_'
+            trust_remote_code=self.trust_remote_code,
+            revision=(self.model_init_kwargs or {}).get("revision"),
+        )
 
     @property
     def vllm_base_url(self) -> str:

@@ -51,6 +51,52 @@ class Sampling:
         return replace(self, max_new_tokens=max_new_tokens)
 
 
+@dataclass(frozen=True)
+class VLLMSettings:
+    """What the vLLM backends take of a run's settings, under `GRPOConfig`'s names (`vllm_base_url`
+    and `vllm_weights_folder` resolved); `max_num_seqs` is a colocated engine's batch (the rows of a
+    round per tensor-parallel group), `model_copy_dir` where it saves a policy that has no checkpoint
+    folder or hub id, `revision` / `trust_remote_code` how it loads one that has."""
+
+    vllm_mode: str
+    vllm_base_url: str
+    vllm_server_timeout: float
+    vllm_server_request_timeout: float
+    vllm_weight_sync: str
+    vllm_weights_folder: str
+    vllm_group_port: int
+    vllm_structured_outputs_regex: str | None
+    vllm_tensor_parallel_size: int
+    vllm_gpu_memory_utilization: float
+    vllm_max_model_length: int | None
+    vllm_kv_cache_memory_bytes: int | None
+    vllm_enforce_eager: bool
+    vllm_enable_sleep_mode: bool
+    vllm_model_impl: str
+    vllm_engine_kwargs: dict | None
+    max_num_seqs: int
+    model_copy_dir: str
+    trust_remote_code: bool
+    revision: str | None
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What the engine takes of a run's settings, under `GRPOConfig`'s names:
+    `GRPOConfig.generation_settings()` builds it once; the engine never reads the config."""
+
+    generation_backend: str  # 'vllm', or our decoder's choice (`decoding.DECODERS`)
+    generation_dtype: str | None
+    bf16: bool
+    cache_implementation: str | None
+    generation_kwargs: dict
+    use_transformers_continuous_batching: bool
+    transformers_continuous_batching_config: dict | None
+    ds3_gather_for_generation: bool
+    seed: int
+    vllm: VLLMSettings | None  # with generation_backend='vllm'
+
+
 class Generator(ABC):
     """Completions from the current policy; weights taken once per policy version."""
 
@@ -120,22 +166,3 @@ class Generator(ABC):
     @abstractmethod
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:
         """The backend's completions."""
-
-
-def sampling_settings(args, eos_token_ids: list[int], pad_token_id: int) -> Sampling:
-    """The run's `Sampling`, from its settings (cache_implementation joins the GenerationConfig keys)."""
-    extra = dict(args.generation_kwargs)
-    if args.cache_implementation is not None:
-        extra["cache_implementation"] = args.cache_implementation
-    return Sampling(
-        max_new_tokens=args.max_completion_length,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        eos_token_ids=eos_token_ids,
-        pad_token_id=pad_token_id,
-        generation_kwargs=extra,
-        seed=args.seed,
-    )

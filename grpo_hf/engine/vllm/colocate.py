@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from grpo_hf.data.rollout import Rollout
-from grpo_hf.engine.generation import Generator, Sampling, sampling_settings
+from grpo_hf.engine.generation import GenerationSettings, Generator, Sampling, VLLMSettings
 from grpo_hf.engine.generation_copy import policy_weights
 from grpo_hf.engine.vllm import VLLM_INSTALL
 from grpo_hf.engine.vllm.requests import (
@@ -42,7 +42,7 @@ from grpo_hf.engine.vllm.requests import (
     sampling_fields,
 )
 from grpo_hf.engine.vllm.weights import ties_embeddings, vllm_weights
-from grpo_hf.models.policy import base_model, tokenizer_init_kwargs
+from grpo_hf.models.policy import base_model
 from grpo_hf.models.sharding import unsharded_for_generation
 
 
@@ -50,14 +50,20 @@ class ColocateGenerator(Generator):
     """Completions from an in-process vLLM engine (see the module docstring)."""
 
     def __init__(
-        self, args, accelerator: Accelerator, model: nn.Module, policy: Callable[[], nn.Module], tokenizer
+        self,
+        settings: GenerationSettings,
+        sampling: Sampling,
+        accelerator: Accelerator,
+        model: nn.Module,
+        policy: Callable[[], nn.Module],
+        tokenizer,
     ):
         super().__init__(accelerator)
-        self.args, self.policy = args, policy
-        _check_generation_kwargs(args)
-        self.tp = args.vllm_tensor_parallel_size
+        self.settings, self.policy = settings, policy
+        _check_generation_kwargs(sampling)
+        self.tp = settings.vllm.vllm_tensor_parallel_size
         self.tp_group = _tensor_parallel_group(accelerator, self.tp) if self.tp > 1 else None
-        self.llm = start_engine(args, accelerator, model, tokenizer)
+        self.llm = start_engine(settings, accelerator, model, tokenizer)
         self.asleep = False
         self._sleep()
 
@@ -66,7 +72,7 @@ class ColocateGenerator(Generator):
         return self.tp > 1  # the processes sharing an engine gather their prompts
 
     def _sleep(self) -> None:
-        if self.args.vllm_enable_sleep_mode:
+        if self.settings.vllm.vllm_enable_sleep_mode:
             self.llm.sleep(level=1)  # weights to host memory, KV cache freed
             self.asleep = True
 
@@ -101,7 +107,7 @@ class ColocateGenerator(Generator):
                 sampling,
                 n,
                 request_seed(sampling.seed, self.version, self.calls, f"{engine}:{k}"),
-                self.args.vllm_structured_outputs_regex,
+                self.settings.vllm.vllm_structured_outputs_regex,
             )
             if isinstance(fields.get("structured_outputs"), dict):
                 fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
@@ -137,21 +143,20 @@ def _repack_tied_head(worker) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-def _check_generation_kwargs(args) -> None:
+def _check_generation_kwargs(sampling: Sampling) -> None:
     """generation_kwargs' values, by vLLM's SamplingParams, before the engine starts (their names were
-    checked with the settings: `config_generation.VLLM_SAMPLING_KEYS`)."""
+    checked with the settings: `config.generation_args.VLLM_SAMPLING_KEYS`)."""
     from vllm import SamplingParams
 
-    fields = sampling_fields(sampling_settings(args, [0], 0), 1, 0, None)
     try:
-        SamplingParams(**fields)
+        SamplingParams(**sampling_fields(sampling, 1, 0, None))
     except (TypeError, ValueError) as error:
         raise ValueError(
-            f"generation_kwargs={args.generation_kwargs!r}: with vLLM they are SamplingParams settings ({error})."
+            f"generation_kwargs={sampling.generation_kwargs!r}: with vLLM they are SamplingParams settings ({error})."
         ) from error
 
 
-def start_engine(args, accelerator: Accelerator, model: nn.Module, tokenizer):
+def start_engine(settings: GenerationSettings, accelerator: Accelerator, model: nn.Module, tokenizer):
     """The in-process vLLM engine for the policy `model` (before Accelerate wrapped it)."""
     try:
         from vllm import LLM, ModelRegistry
@@ -161,36 +166,35 @@ def start_engine(args, accelerator: Accelerator, model: nn.Module, tokenizer):
         ) from error
     base = base_model(model)
     architecture = type(base).__name__
-    if args.vllm_model_impl == "vllm" and architecture not in ModelRegistry.get_supported_archs():
+    vllm = settings.vllm
+    if vllm.vllm_model_impl == "vllm" and architecture not in ModelRegistry.get_supported_archs():
         raise ValueError(
             f"vLLM has no implementation of {architecture}; set vllm_model_impl='transformers' (vLLM runs it "
             "through transformers' modelling code) or use_vllm=False."
         )
-    source = model_source(args, accelerator, model, tokenizer)
-    dtype = args.generation_dtype or (
-        "bfloat16" if args.bf16 else str(next(model.parameters()).dtype).removeprefix("torch.")
+    source = model_source(vllm, accelerator, model, tokenizer)
+    dtype = settings.generation_dtype or (
+        "bfloat16" if settings.bf16 else str(next(model.parameters()).dtype).removeprefix("torch.")
     )
-    settings = dict(
+    engine = dict(
         **source,
         dtype=dtype,
-        seed=args.seed + accelerator.process_index // args.vllm_tensor_parallel_size,
-        tensor_parallel_size=args.vllm_tensor_parallel_size,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-        max_model_len=args.vllm_max_model_length,
-        kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes,
-        enforce_eager=args.vllm_enforce_eager,
-        enable_sleep_mode=args.vllm_enable_sleep_mode,
-        model_impl=args.vllm_model_impl,
-        max_num_seqs=args.per_device_train_batch_size
-        * args.vllm_tensor_parallel_size
-        * args.steps_per_generation,
+        seed=settings.seed + accelerator.process_index // vllm.vllm_tensor_parallel_size,
+        tensor_parallel_size=vllm.vllm_tensor_parallel_size,
+        gpu_memory_utilization=vllm.vllm_gpu_memory_utilization,
+        max_model_len=vllm.vllm_max_model_length,
+        kv_cache_memory_bytes=vllm.vllm_kv_cache_memory_bytes,
+        enforce_eager=vllm.vllm_enforce_eager,
+        enable_sleep_mode=vllm.vllm_enable_sleep_mode,
+        model_impl=vllm.vllm_model_impl,
+        max_num_seqs=vllm.max_num_seqs,
         distributed_executor_backend="external_launcher",
         logprobs_mode="processed_logprobs",
-    ) | (args.vllm_engine_kwargs or {})
+    ) | (vllm.vllm_engine_kwargs or {})
     _launcher_environment(accelerator)
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     try:
-        return _teardown_while_groups_exist(LLM(**settings))
+        return _teardown_while_groups_exist(LLM(**engine))
     except Exception as error:
         raise RuntimeError(
             f"vLLM could not start an engine for {source['model']} ({type(error).__name__}: {error}). "
@@ -220,7 +224,7 @@ def _teardown_while_groups_exist(llm):
     return llm
 
 
-def model_source(args, accelerator: Accelerator, model: nn.Module, tokenizer) -> dict:
+def model_source(vllm: VLLMSettings, accelerator: Accelerator, model: nn.Module, tokenizer) -> dict:
     """The `vllm.LLM` settings for where the engine loads the model from (with trust_remote_code as
     set): the policy's checkpoint folder; its hub id, at the revision model_init_kwargs names (the one
     the trainer loads a name at; a model given as an object starts from the default revision, its
@@ -228,14 +232,12 @@ def model_source(args, accelerator: Accelerator, model: nn.Module, tokenizer) ->
     LoRA merged, saved once by each machine's first process."""
     base = base_model(model)
     name = base.name_or_path
-    hub = tokenizer_init_kwargs(args)  # trust_remote_code, and model_init_kwargs' revision
-    source = {"trust_remote_code": hub["trust_remote_code"]}
+    source = {"trust_remote_code": vllm.trust_remote_code}
     if name and os.path.isfile(os.path.join(name, "config.json")):
         return source | {"model": name}
     if name and not os.path.exists(name):
-        revision = hub.get("revision")
-        return source | {"model": name, "revision": revision, "tokenizer_revision": revision}
-    path = os.path.join(os.path.abspath(args.output_dir), "_vllm-model")  # '_': push_to_hub leaves it out
+        return source | {"model": name, "revision": vllm.revision, "tokenizer_revision": vllm.revision}
+    path = vllm.model_copy_dir
     if accelerator.is_local_main_process:
         base.save_pretrained(path, state_dict=dict(policy_weights(model)))
         tokenizer.save_pretrained(path)

@@ -29,7 +29,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from torch import nn
 
 from grpo_hf.data.rollout import Rollout
-from grpo_hf.engine.generation import Generator, Sampling
+from grpo_hf.engine.generation import GenerationSettings, Generator, Sampling
 from grpo_hf.engine.vllm.client import VLLMClient
 from grpo_hf.engine.vllm.requests import (
     Samples,
@@ -51,10 +51,16 @@ _ERRORS = {error.__name__: error for error in (ConnectionError, TimeoutError, Ru
 class ServerGenerator(Generator):
     """Completions and weight updates through a vLLM server (see the module docstring)."""
 
-    def __init__(self, args, accelerator: Accelerator, model: nn.Module, policy: Callable[[], nn.Module]):
+    def __init__(
+        self,
+        settings: GenerationSettings,
+        accelerator: Accelerator,
+        model: nn.Module,
+        policy: Callable[[], nn.Module],
+    ):
         super().__init__(accelerator)
-        self.args, self.policy = args, policy
-        self.client = VLLMClient(args.vllm_base_url, args.vllm_server_request_timeout)
+        self.settings, self.policy = settings, policy
+        self.client = VLLMClient(settings.vllm.vllm_base_url, settings.vllm.vllm_server_request_timeout)
         self.sender: FileWeights | NcclWeights | None = None  # process 0's
         self._on_main(self._connect)
 
@@ -84,8 +90,8 @@ class ServerGenerator(Generator):
 
     def _connect(self) -> None:
         """Wait for the server; check its log-probs; choose how weights reach it."""
-        args = self.args
-        self.client.wait_until_up(args.vllm_server_timeout)
+        vllm = self.settings.vllm
+        self.client.wait_until_up(vllm.vllm_server_timeout)
         config = self.client.server_config()
         model_config = config["model_config"]
         if model_config["logprobs_mode"] != "processed_logprobs":
@@ -95,17 +101,17 @@ class ServerGenerator(Generator):
                 "sampled from: restart it with --logprobs-mode processed_logprobs."
             )
         backend = (config.get("weight_transfer_config") or {}).get("backend")
-        mode = args.vllm_weight_sync if args.vllm_weight_sync != "auto" else _auto_weight_sync(backend)
+        mode = vllm.vllm_weight_sync if vllm.vllm_weight_sync != "auto" else _auto_weight_sync(backend)
         if mode == "nccl":
             if backend != "nccl":
                 raise ValueError(
                     "vllm_weight_sync='nccl' needs a server started with --weight-transfer-config "
                     "'{\"backend\": \"nccl\"}'; restart it so, or set vllm_weight_sync='files'."
                 )
-            self.sender = NcclWeights(self.client, args.vllm_group_port)
+            self.sender = NcclWeights(self.client, vllm.vllm_group_port)
         else:
             dtype = getattr(torch, str(model_config["dtype"]).removeprefix("torch."))
-            self.sender = FileWeights(self.client, args.vllm_weights_folder, dtype)
+            self.sender = FileWeights(self.client, vllm.vllm_weights_folder, dtype)
 
     def close(self) -> None:
         """Remove the last weight file (process 0's; nothing over the network)."""
@@ -140,7 +146,7 @@ class ServerGenerator(Generator):
             everyone,
             sampling,
             lambda k: request_seed(sampling.seed, self.version, self.calls, k),
-            self.args.vllm_structured_outputs_regex,
+            self.settings.vllm.vllm_structured_outputs_regex,
             max_requests=32,
         )
 
@@ -163,7 +169,7 @@ class ServerGenerator(Generator):
             [prompt_rows(prompt_ids, prompt_mask)],
             sampling,
             lambda k: request_seed(sampling.seed, version, call, k * processes + process),
-            self.args.vllm_structured_outputs_regex,
+            self.settings.vllm.vllm_structured_outputs_regex,
             max_requests,
         )[0]
         return rollout_from_samples(prompt_ids, prompt_mask, samples, sampling)
