@@ -133,6 +133,9 @@ def train(spec: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(spec["config"])
     with tempfile.TemporaryDirectory(prefix=f"gpu-decode-{spec['side']}-") as output_dir:
         model = random_model(spec["config"], shape)
+        if spec["side"] == "trl" and not lora:  # TRL loads its reference model from the policy's path
+            model.save_pretrained(Path(output_dir) / "policy")
+            model.config._name_or_path = str(Path(output_dir) / "policy")
         trainer, generate_seconds = build_trainer(
             settings, output_dir, model=model, lora=lora, tokenizer=tokenizer, **overrides
         )

@@ -239,6 +239,15 @@ def test_generation_backend_llama_static_is_a_choice_with_its_limits():
 
 
 @pytest.mark.cuda
+def test_auto_takes_the_fixed_shape_decoder_on_a_gpu_unless_a_processor_needs_the_loop():
+    model = tiny_llama().to("cuda")
+    assert type(decoder_for(model, 3)) is StaticLlamaDecoder
+    assert type(decoder_for(model, 3, "llama")) is LlamaDecoder
+    processors = logits_processors(sampling(no_repeat_ngram_size=2), device=torch.device("cuda"))
+    assert type(decoder_for(model, 3, "auto", processors)) is LlamaDecoder
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("knobs", [{}, {"do_sample": False}, {"top_p": 0.9, "repetition_penalty": 1.2}])
 def test_cuda_graph_replay_equals_the_eager_steps(dtype, knobs, monkeypatch):

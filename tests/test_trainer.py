@@ -39,9 +39,9 @@ def test_full_finetuning_moves_every_parameter(tmp_path, build):
     trainer.train()
     assert trainer.ref_model is not None  # beta = 0.04 > 0: a frozen copy
     for name, param in model.named_parameters():
-        assert not torch.equal(before[name], param.detach()), f"{name} did not move"
+        assert not torch.equal(before[name], param.detach().cpu()), f"{name} did not move"
     for name, param in trainer.ref_model.named_parameters():
-        assert torch.equal(before[name], param), f"reference {name} moved"
+        assert torch.equal(before[name], param.cpu()), f"reference {name} moved"
     logged = trainer.state.log_history[0]
     for key in (
         "reward",
@@ -77,8 +77,9 @@ def test_lora_moves_only_adapters_and_base_is_the_reference(tmp_path, build, tar
     for name, param in policy.named_parameters():
         base_name = name.replace("base_model.model.", "").replace(".base_layer", "")
         if "lora_" not in name:
-            assert torch.equal(before[base_name], param), f"base parameter {name} changed"
-    ids = torch.randint(3, 250, (2, 12))
+            assert torch.equal(before[base_name], param.cpu()), f"base parameter {name} changed"
+    original.to(suite_device())  # where the policy is
+    ids = torch.randint(3, 250, (2, 12), device=suite_device())
     mask = torch.ones_like(ids)
     for whole_rows in (True, False):  # whole rows: the gradient checkpointing path, no shared prompts
         with reference_context(policy, None) as ref, torch.no_grad():

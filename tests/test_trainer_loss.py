@@ -7,7 +7,7 @@ import pytest
 import torch
 from loss_settings import grpo_loss_with
 from tiny_models import tiny_llama, tiny_tokenizer
-from trainer_helpers import FixedCompletionsTrainer, chat_dataset, make_config
+from trainer_helpers import FixedCompletionsTrainer, chat_dataset, make_config, suite_device
 from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
@@ -68,7 +68,7 @@ def test_dapo_normalises_each_optimizer_step_by_its_own_active_tokens(tmp_path):
     first, second = trainer._buffer  # one round fed both steps
     assert [float(first["dapo_normalizer"]), float(second["dapo_normalizer"])] == [18.0, 30.0]
     # Replay: the pure loss on each micro-batch with its own token count, then p -= lr * grad.
-    model = tiny_llama()
+    model = tiny_llama().to(suite_device())
     with torch.no_grad():
         old = completion_logps(
             model, second["input_ids"], second["attention_mask"], second["completion_mask"].shape[1]
@@ -90,7 +90,7 @@ def test_dapo_normalises_each_optimizer_step_by_its_own_active_tokens(tmp_path):
         torch.testing.assert_close(
             trainer.model.get_parameter(name).detach(), param.detach(), rtol=1e-4, atol=1e-6, msg=name
         )
-    assert not torch.equal(model.lm_head.weight, tiny_llama().lm_head.weight)
+    assert not torch.equal(model.lm_head.weight.cpu(), tiny_llama().lm_head.weight)
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -175,7 +175,7 @@ def test_logged_entropy_is_the_token_mean_over_the_micro_batches(tmp_path):
     )
     trainer.lengths = [3, 4, 5, 6, 6, 7, 8, 9]
     trainer.train()
-    model, total, tokens, means = peaky_llama(), 0.0, 0.0, []
+    model, total, tokens, means = peaky_llama().to(suite_device()), 0.0, 0.0, []
     for part in trainer._buffer:  # both micro-batches of the step, under the weights before it
         mask = part["completion_mask"]
         with torch.no_grad():
@@ -252,8 +252,8 @@ def test_loss_settings_reach_the_loss(tmp_path, level):
     centred = rewards - torch.tensor([4.5] * 4 + [7.5] * 4)
     std = rewards.std() if settings.get("scale_rewards") == "batch" else torch.tensor(5 / 3).sqrt()
     advantages = torch.cat([trainer.calls[0][1]["advantages"], trainer.calls[1][1]["advantages"]])
-    torch.testing.assert_close(advantages, centred / (std + 1e-4))
-    model = peaky_llama()
+    torch.testing.assert_close(advantages.cpu(), centred / (std + 1e-4))
+    model = peaky_llama().to(suite_device())
     configured = {**DEFAULTS, **{k: v for k, v in settings.items() if k not in TRAINING_ONLY}}
     for recorded, inputs, params in trainer.calls[2:]:
         with torch.no_grad():

@@ -8,7 +8,7 @@ from loss_settings import grpo_loss_with
 from test_trainer import StopAfter
 from test_trainer_loss import RecordingLossTrainer, peaky_llama, token_count_reward
 from tiny_models import tiny_llama, tiny_tokenizer
-from trainer_helpers import chat_dataset, exact_resume, make_config
+from trainer_helpers import chat_dataset, exact_resume, make_config, suite_device
 
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.training.checkpoints import read_state
@@ -39,7 +39,7 @@ def recorded_run(tmp_path, trainer_class=RecordingLossTrainer, trainer_hook=None
 
 def replayed(params, inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, C) log-probs and entropy of a recorded micro-batch under its recorded parameters."""
-    model = peaky_llama()
+    model = peaky_llama().to(suite_device())
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(params[name])

@@ -49,8 +49,10 @@ def build(tmp_path, reward_funcs, **settings) -> FixedCompletionsTrainer:
 
 
 def first_round(trainer) -> dict:
+    """The first round's batch, its tensors on the CPU (to compare with the tensors built here)."""
     trainer.model.train()
-    return trainer._prepare_inputs([dict(row) for row in chat_dataset().select(ROWS)])
+    batch = trainer._prepare_inputs([dict(row) for row in chat_dataset().select(ROWS)])
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 # ---- Aggregation and scaling --------------------------------------------------------------------

@@ -286,15 +286,16 @@ class GenerationBackendArguments:
             ),
         ]
         check_ranges(checks)
-        if self.vllm_enable_sleep_mode and (self.use_cpu or not torch.cuda.is_available()):
+        no_cuda = self.use_cpu or not torch.cuda.is_available()
+        if self.vllm_enable_sleep_mode and no_cuda:
             raise ValueError(
                 "vllm_enable_sleep_mode=True: vLLM offers sleep mode on CUDA GPUs only and refuses it on this "
                 "device (a CPU); set vllm_enable_sleep_mode=False."
             )
-        if self.vllm_mode == "server" and self.vllm_weight_sync == "nccl" and not torch.cuda.is_available():
+        if self.vllm_mode == "server" and self.vllm_weight_sync == "nccl" and no_cuda:
             raise ValueError(
-                "vllm_weight_sync='nccl' sends weights over NCCL, which needs CUDA; on this machine use "
-                "vllm_weight_sync='files' (or 'auto')."
+                "vllm_weight_sync='nccl' sends weights over NCCL, which needs the model on a CUDA GPU; with "
+                "use_cpu=True or no GPU use vllm_weight_sync='files' (or 'auto')."
             )
         if self.vllm_mode == "server":
             url = urlparse(self.vllm_base_url)

@@ -371,12 +371,11 @@ def decoder_for(
 ) -> LlamaDecoder | TransformersDecoder:
     """The prefill and decoding steps for `model`, for completions of up to `max_new_tokens`.
 
-    `backend` (`GRPOConfig.generation_backend`): 'auto' takes `LlamaDecoder` wherever it reproduces
-    the model (`is_plain_llama`) and the model's own forward elsewhere; 'llama' / 'llama_static' /
-    'transformers' insist on one. `StaticLlamaDecoder` (fixed shapes, CUDA graphs on a GPU) is
-    asked for by name until its CUDA path has run on a GPU (the `cuda` tests, `make bench-gpu`):
-    then 'auto' takes it on CUDA devices unless a logits processor (of the call's `processors`)
-    needs the shrinking loop.
+    `backend` (`GRPOConfig.generation_backend`): 'auto' takes Llama's maths on the raw weights
+    wherever they reproduce the model (`is_plain_llama`), and the model's own forward elsewhere:
+    on a CUDA device `StaticLlamaDecoder` (fixed shapes, each step a CUDA graph) unless a logits
+    processor of the call's `processors` needs the shrinking loop, elsewhere `LlamaDecoder` (rows
+    leave as they end: what a CPU's step costs). 'llama' / 'llama_static' / 'transformers' insist on one.
     """
     if backend not in DECODERS:
         raise ValueError(f"generation_backend={backend!r} is not one of {DECODERS}.")
@@ -394,6 +393,7 @@ def decoder_for(
             f"generation_backend='llama_static' decodes in fixed shapes, which the sampling settings {variable} "
             "do not allow; drop them from generation_kwargs or set generation_backend='llama' (or 'auto')."
         )
-    if backend == "llama_static":
+    on_cuda = model.model.embed_tokens.weight.device.type == "cuda"
+    if backend == "llama_static" or (backend == "auto" and on_cuda and not variable):
         return StaticLlamaDecoder(model, max_new_tokens)
     return LlamaDecoder(model, max_new_tokens)
