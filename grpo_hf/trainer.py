@@ -22,9 +22,10 @@ orchestrates. One generation round, and where each step lives:
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
-from contextlib import closing
+from contextlib import closing, nullcontext
 
 import torch
 from datasets import Dataset, IterableDataset
@@ -67,7 +68,7 @@ from grpo_hf.episodes.environments import (
     environment_pool,
     train_dataset_or_placeholder,
 )
-from grpo_hf.episodes.multi_turn import trainer_tool_episodes
+from grpo_hf.episodes.multi_turn import tool_metrics, trainer_tool_episodes
 from grpo_hf.episodes.rollout_func import RolloutFunc, call_rollout_func
 from grpo_hf.episodes.tools import Toolbox, check_tool_call_format
 from grpo_hf.models.policy import load_policy, model_init_kwargs, prepare_policy, reward_model_loading
@@ -181,6 +182,8 @@ class GRPOTrainer(Trainer):
             )
         self.rollout_func = rollout_func
         self.environments: list | None = None  # the environments of the latest rollouts (TRL's attribute)
+        self._environments_lock = threading.Lock()  # `_sample_and_score`
+        self._thread_generate = threading.local()  # `generate_completions` on async GRPO's generation thread
 
     def _set_up_generation(self, processing_class: PreTrainedTokenizerBase) -> None:
         """The sampling settings and the generator (`engine.backends.build_generator`)."""
@@ -292,7 +295,7 @@ class GRPOTrainer(Trainer):
         """Generate, score and prepare one generation batch; return its micro-batches."""
         args = self.args
         ahead = self.async_rounds and self.model.training  # async GRPO: sampled on its thread already
-        scored = self.async_rounds.take() if ahead else self._sample_and_score(rows)
+        scored = self._recorded_episodes(self.async_rounds.take() if ahead else self._sample_and_score(rows))
         if args.dynamic_sampling and self.model.training:
             scored = self._dynamically_sampled(scored)
         all_rewards = self.accelerator.gather(scored.rewards_per_func)  # (N, F) every process's
@@ -322,23 +325,32 @@ class GRPOTrainer(Trainer):
 
     def _sample_and_score(self, rows: list[dict], generate: Callable | None = None) -> ScoredRound:
         """Generate one completion per row (rows repeat each prompt G times; `generate` replaces
-        `generate_completions`) and score them."""
+        `generate_completions`: async GRPO's generation thread) and score them. With environments,
+        one call at a time (the thread's rounds and evaluation draw from one pool of instances)."""
+        with self._environments_lock if self.environment_pool is not None else nullcontext():
+            return self._sample_and_score_rows(rows, generate)
+
+    def _sample_and_score_rows(self, rows: list[dict], generate: Callable | None) -> ScoredRound:
         args, device = self.args, self.accelerator.device
         prompts = [row.get("prompt", EMPTY_PROMPT) for row in rows]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
         start = time.perf_counter()
-        names = None
+        environments = names = counts = None
         if self.environment_pool is not None:
-            self.environments, names, prompts = self.environment_pool.start_episodes(rows)
-            columns["environments"] = self.environments
+            environments, names, prompts = self.environment_pool.start_episodes(rows)
+            columns["environments"] = self.environments = environments
         if self.rollout_func is not None:
-            result, completions, extra = call_rollout_func(
-                self.rollout_func, prompts, self, self.processing_class, self.eos_token_ids, device,
-                calls=self.generator.uneven_calls(self.sampling, self.state.global_step),
-            )  # fmt: skip
+            calls = None if generate else self.generator.uneven_calls(self.sampling, self.policy_version)
+            self._thread_generate.call = generate  # what generate_completions calls on this thread
+            try:
+                result, completions, extra = call_rollout_func(
+                    self.rollout_func, prompts, self, self.processing_class, self.eos_token_ids, device, calls
+                )
+            finally:
+                self._thread_generate.call = None
             columns.update(extra)
         elif self.toolbox is not None:
-            result, completions = trainer_tool_episodes(self, prompts, names)
+            result, completions, counts = trainer_tool_episodes(self, prompts, environments, names, generate)
         else:
             result, completions = rollout.sample_completions(
                 prompts, self.processing_class, generate or self.generate_completions, device, args.max_prompt_length,
@@ -355,8 +367,17 @@ class GRPOTrainer(Trainer):
             self.reward_funcs, prompts, completions, completion_ids, columns, args.reward_error_policy, device,
             trainer_state=self.state, logs=logs,
         )  # fmt: skip
-        extras = (logs.extra_rows, logs.metrics)
+        extras = (logs.extra_rows, logs.metrics, counts)
         return ScoredRound(result, prompts, completions, scores, errors, retried, seconds, *extras)
+
+    def _recorded_episodes(self, scored: ScoredRound) -> ScoredRound:
+        """`scored`, its tool episodes' counts over every process recorded (collective; on the training
+        thread, whichever thread sampled the round)."""
+        if scored.episode_counts is not None:
+            counts = torch.tensor(scored.episode_counts, device=self.accelerator.device)  # (4,)
+            self.record(tool_metrics(self.accelerator.gather(counts).view(-1, 4).sum(dim=0).tolist()))
+            scored.episode_counts = None
+        return scored
 
     def _dynamically_sampled(self, first: ScoredRound) -> ScoredRound:
         """DAPO dynamic sampling: this process's share of a batch of groups that teach."""
@@ -364,8 +385,10 @@ class GRPOTrainer(Trainer):
         weights = self.reward_weights.to(first.rewards_per_func.device)
         scored, metrics = sample_teaching_groups(
             first,
-            sample_more=lambda: self._sample_and_score(
-                self.extra_rounds.rows(len(first.prompts), self.accelerator.process_index)
+            sample_more=lambda: self._recorded_episodes(
+                self._sample_and_score(
+                    self.extra_rounds.rows(len(first.prompts), self.accelerator.process_index)
+                )
             ),
             gather=lambda scored: gather_round(self.accelerator, scored, self.processing_class.pad_token_id),
             combine=lambda rewards_per_func: aggregate_rewards(
@@ -415,11 +438,21 @@ class GRPOTrainer(Trainer):
     ) -> rollout.Rollout:
         """Sample one completion per row, of at most `max_new_tokens` (default max_completion_length)
         tokens, from the policy of this optimizer step. Tests override this to feed fixed completions."""
+        thread_generate = getattr(self._thread_generate, "call", None)
+        if (
+            thread_generate is not None
+        ):  # a rollout_func on async GRPO's generation thread: this process alone
+            return thread_generate(prompt_ids, prompt_mask, max_new_tokens)
         sampling = (
             self.sampling if max_new_tokens is None else self.sampling.with_max_new_tokens(max_new_tokens)
         )
-        version = self.async_rounds.version if self.async_rounds else self.state.global_step  # async: synced
-        return self.generator.generate(prompt_ids, prompt_mask, sampling, version)
+        return self.generator.generate(prompt_ids, prompt_mask, sampling, self.policy_version)
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version generation samples from: the optimizer step, or in async GRPO the
+        version last sent to the server."""
+        return self.async_rounds.version if self.async_rounds else self.state.global_step
 
     # ---- Loss ---------------------------------------------------------------------------------
 

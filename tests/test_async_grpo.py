@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 from two_processes import launch_two_processes
 
 from grpo_hf import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOTrainer
+from grpo_hf.data import rollout
 from grpo_hf.engine.vllm.requests import request_seed
 from grpo_hf.episodes.async_rounds import ASYNC_FILE
 from grpo_hf.training.checkpoints import STATE_FILE
@@ -107,25 +108,118 @@ def test_async_grpo_trainer_takes_trls_arguments_in_trls_order(tmp_path, server)
         AsyncGRPOTrainer(tiny_llama(), length_reward, synchronous, chat_dataset(), TOKENIZER)
 
 
-def test_what_the_generation_thread_cannot_run_is_refused_at_construction(tmp_path, server):
-    def add(a: int, b: int) -> int:
-        """Adds.
+def test_a_rollout_func_samples_on_the_generation_thread(tmp_path, server):
+    """A rollout_func's generate_completions calls, on the generation thread, sample this process's
+    rows alone from the round's policy version, as many calls as it likes (here two, the first cut
+    to 2 tokens)."""
+    calls = []
+
+    def rollout_func(prompts, trainer):
+        tokenizer = trainer.processing_class
+        texts = [rollout.render_prompt(tokenizer, prompt) for prompt in prompts]
+        ids, mask = rollout.tokenize_prompts(tokenizer, texts, None, trainer.accelerator.device)
+        first, second = (trainer.generate_completions(ids, mask, limit) for limit in (2, None))
+        calls.append((threading.current_thread().name, first.completion_mask.sum(dim=1).max().item()))
+        return {
+            "prompt_ids": [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)],
+            "completion_ids": [row[m.bool()].tolist() for row, m in zip(second.completion_ids, second.completion_mask, strict=True)],
+            "logprobs": [row[m.bool()].tolist() for row, m in zip(second.sampler_logps, second.completion_mask, strict=True)],
+        }  # fmt: skip
+
+    args = make_config(tmp_path, **SERVER, vllm_server_base_url=server.url, max_staleness=1, max_steps=3)
+    trainer = GRPOTrainer(
+        tiny_llama(),
+        length_reward,
+        args,
+        chat_dataset(),
+        processing_class=TOKENIZER,
+        rollout_func=rollout_func,
+    )
+    trainer.train()
+    assert (
+        calls == [("grpo-async-rounds", 2)] * 3
+    )  # three rounds, each sampled ahead, the first call cut to 2
+    assert len(server.completions()) == 3 * 2 * 2  # 3 rounds x 2 calls x 2 distinct prompts
+    assert logged(trainer, "sample/staleness_max") == [0, 1, 1]
+    assert no_generation_thread()
+
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def tool_then_answer(prompt, j, body):
+    """The fake server's model: call `add` in the first turn, answer 'done' once a tool result is in
+    the context."""
+    answered = "<|im_start|>tool" in TOKENIZER.decode(prompt)
+    text = "done" if answered else '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    return TOKENIZER(text, add_special_tokens=False)["input_ids"] + [EOS]
+
+
+class Ledger:
+    """An environment whose tool is `add` and whose reward is its calls; it fails loudly if an
+    instance is reset while its episode is not scored yet (two episodes on one instance at once)."""
+
+    def __init__(self):
+        self.calls, self.open = 0, False
+
+    def reset(self, **row) -> None:
+        assert not self.open, "an instance was drawn for two episodes at once"
+        self.calls, self.open = 0, True
+
+    def add(self, a: int, b: int) -> int:
+        """Adds two numbers.
 
         Args:
-            a: One.
-            b: Two.
+            a: The first.
+            b: The second.
         """
+        self.calls += 1
         return a + b
 
-    args = make_config(tmp_path, **SERVER, vllm_server_base_url=server.url, max_staleness=1)
-    with pytest.raises(ValueError, match=r"tools .* max_staleness=0"):
-        GRPOTrainer(
-            tiny_llama(), length_reward, args, chat_dataset(), processing_class=TOKENIZER, tools=[add]
+    def get_reward(self) -> float:
+        self.open = False
+        return float(self.calls)
+
+
+@pytest.mark.parametrize("source", ["tools", "environment_factory"])
+def test_tool_episodes_run_on_the_generation_thread(tmp_path, source):
+    """Multi-turn tool episodes, with tools or environments, sampled ahead on the generation thread
+    (this process's rows alone), their tool metrics recorded on the training thread; with
+    environments, evaluation between the rounds draws from the same pool without sharing an instance."""
+    fake = FakeVLLMServer(EOS, tool_then_answer)
+    try:
+        extra = {"tools": [add]} if source == "tools" else {"environment_factory": Ledger}
+        settings = SERVER | dict(vllm_server_base_url=fake.url, max_staleness=1, max_steps=3)
+        settings |= dict(max_completion_length=128, eval_strategy="steps", eval_steps=1)
+        trainer = GRPOTrainer(
+            model=tiny_llama(),
+            reward_funcs=length_reward,
+            args=make_config(tmp_path, **settings),
+            train_dataset=chat_dataset(),
+            eval_dataset=chat_dataset(2),
+            processing_class=TOKENIZER,
+            **extra,
         )
-    with pytest.raises(ValueError, match="rollout_func"):
-        GRPOTrainer(
-            tiny_llama(), length_reward, args, chat_dataset(), processing_class=TOKENIZER, rollout_func=print
-        )
+        trainer.train()
+    finally:
+        fake.close()
+    turns = [TOKENIZER.decode(body["prompt"]) for body in fake.completions()]
+    with_result = sum("<|im_start|>tool" in t for t in turns)
+    assert with_result == len(turns) / 2 > 0  # every episode: a tool call, then an answer with its result
+    assert logged(trainer, "tools/call_frequency") == [1.0] * 3 and len(logged(trainer, "eval_reward")) == 3
+    assert logged(trainer, "sample/staleness_max") == [0, 1, 1]
+    if source == "environment_factory":
+        assert (
+            logged(trainer, "reward/Ledger") == [1.0] * 3
+        )  # each episode's one call, scored on its instance
+    assert no_generation_thread()
 
 
 # ---- The rounds: versions, overlap, data order, metrics ---------------------------------------------
@@ -203,6 +297,38 @@ def test_async_reward_functions_are_awaited_on_the_generation_thread(tmp_path, s
     assert called_on == {"grpo-async-rounds"}
     assert len(logged(trainer, "reward/judged")) == 2
     assert logged(trainer, "reward/judged") == logged(trainer, "reward/plain")  # the same lengths
+
+
+def test_dynamic_sampling_tops_rounds_up_from_the_synced_weights(tmp_path, server):
+    """DAPO dynamic sampling in async mode: a round taken from the queue with groups that do not
+    teach is topped up by extra rounds, sampled on the training thread (every process in step) from
+    the weights the server holds; the batch keeps only groups that teach."""
+
+    threads = set()
+
+    def some_teach(completion_ids, answer, **kwargs):
+        """Prompts 1, 3, ... teach (their samples' lengths differ); the others score 1 throughout."""
+        threads.add(threading.current_thread().name)
+        return [
+            float(len(ids)) if int(a) % 4 == 2 else 1.0 for ids, a in zip(completion_ids, answer, strict=True)
+        ]
+
+    spread = []
+
+    class Batches(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # the step's round is in the buffer
+            advantages = torch.cat([part["advantages"] for part in trainer._buffer]).view(-1, 4)
+            spread.append(bool((advantages != 0).any(dim=1).all()))
+
+    trainer = trainer_for(
+        tmp_path, server.url, reward=some_teach, callbacks=[Batches()], max_steps=3, dynamic_sampling=True,
+        max_dynamic_sampling_rounds=4, beta=0.0,
+    )  # fmt: skip
+    trainer.train()
+    assert spread == [True, True, True]
+    assert sum(logged(trainer, "dynamic_sampling/extra_rounds")) > 0
+    assert threads == {"grpo-async-rounds", threading.main_thread().name}  # queued rounds, then extra ones
+    assert no_generation_thread()
 
 
 # ---- Staleness: drops -------------------------------------------------------------------------------

@@ -45,10 +45,6 @@ def make(tmp_path, **kwargs) -> GRPOConfig:
             {"max_staleness": 1, "use_vllm": True, "vllm_mode": "server", "queue_maxsize": 4},
             ["queue_maxsize", "generation_batch_size=8"],
         ),
-        (
-            {"max_staleness": 1, "use_vllm": True, "vllm_mode": "server", "dynamic_sampling": True},
-            ["dynamic_sampling", "max_staleness"],
-        ),
         # evaluation with fewer completions per prompt: its batch must hold whole groups of those
         (
             {"per_device_eval_batch_size": 4, "num_generations_eval": 3, "eval_strategy": "steps"},

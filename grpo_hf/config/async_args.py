@@ -97,11 +97,6 @@ class AsyncArguments:
         check_ranges(
             [
                 (
-                    not self.dynamic_sampling,
-                    "dynamic_sampling=True does not run with async GRPO (max_staleness >= 1) yet: its extra "
-                    "rounds would be sampled in lockstep. Set dynamic_sampling=False, or max_staleness=0",
-                ),
-                (
                     self.queue_maxsize >= self.generation_batch_size,
                     f"queue_maxsize={self.queue_maxsize} is smaller than one generation round "
                     f"(generation_batch_size={self.generation_batch_size} completions), and generation reads "

@@ -221,6 +221,9 @@ class ScoredRound:
     seconds: float  # generation time (this process's)
     extra_rows: list[dict]  # per row: the columns reward functions logged with log_extra
     logged_metrics: dict[str, list[float]]  # what reward functions logged with log_metric (this process's)
+    episode_counts: list[int] | None = (
+        None  # tool episodes' counts (`multi_turn.episode_counts`), not recorded yet
+    )
 
     def state(self) -> dict:
         """Plain data (tensors, lists, dicts, str, numbers) for a checkpoint (`torch.load(...,

@@ -10,9 +10,10 @@ A round flows as in synchronous training, each process with its own share of the
   version the server holds then;
 - the generation thread (one per process) samples and scores the rounds in order
   (`GRPOTrainer._sample_and_score` through `ServerGenerator.generate_alone`: HTTP from this
-  process alone; reward functions, async ones and reward models in this process, as in
-  synchronous training). It issues no collective: every torch.distributed call stays on the
-  training thread;
+  process alone, for plain completions, every turn of tool episodes and a rollout_func's calls;
+  reward functions, async ones and reward models in this process, as in synchronous training).
+  It issues no collective: every torch.distributed call (tool metrics, dynamic sampling's extra
+  rounds) stays on the training thread;
 - the training thread takes each round when it starts it (`take`: perf/rollout_wait_s) and
   prepares it as always (advantages over every process, micro-batches, old log-probs). Every
   weight_sync_steps optimizer steps (`on_step_end`) it waits for the rounds the thread was given,
@@ -233,26 +234,17 @@ def stopping(rounds: AsyncRounds | None) -> Iterator[None]:
 
 def async_rounds(trainer) -> AsyncRounds | None:
     """The trainer's async rounds, registered as its callback; None with max_staleness=0. Refuses at
-    construction what the generation thread cannot run yet, naming the setting."""
+    construction what the generation thread cannot run: a collective reward model."""
     args = trainer.args
     if args.max_staleness == 0:
         return None
     sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
-    refused = [
-        (trainer.toolbox is not None, "tools (multi-turn tool episodes)"),
-        (trainer.environment_pool is not None, "environment_factory"),
-        (trainer.rollout_func is not None, "rollout_func"),
-        (
-            sharded and any(isinstance(f, RewardModel) for f in trainer.reward_funcs),
-            "a reward model under FSDP / DeepSpeed (its forward is collective)",
-        ),
-    ]
-    for refused_now, what in refused:
-        if refused_now:
-            raise ValueError(
-                f"{what} does not run with async GRPO (max_staleness={args.max_staleness}) yet: its generation "
-                "thread samples plain completions only. Set max_staleness=0 (synchronous training)."
-            )
+    if sharded and any(isinstance(f, RewardModel) for f in trainer.reward_funcs):
+        raise ValueError(
+            f"Async GRPO (max_staleness={args.max_staleness}) does not run a reward model under FSDP / DeepSpeed: "
+            "its forward is collective, and the generation thread scores without collectives. Set "
+            "max_staleness=0 (synchronous training)."
+        )
     generator, sampling = trainer.generator, trainer.sampling
     max_requests = 32 if args.max_inflight_tasks == -1 else args.max_inflight_tasks
 

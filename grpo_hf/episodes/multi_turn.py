@@ -161,17 +161,25 @@ def run_episodes(
     )
 
 
-def trainer_tool_episodes(trainer, prompts: list[list[dict]], names: list | None) -> tuple[Rollout, list]:
-    """`GRPOTrainer`'s multi-turn episodes with each row's tools (of `trainer.environments[i]`, named
+def trainer_tool_episodes(
+    trainer,
+    prompts: list[list[dict]],
+    environments: list | None,
+    names: list | None,
+    generate: GenerateTurn | None = None,
+) -> tuple[Rollout, list, list[int]]:
+    """`GRPOTrainer`'s multi-turn episodes with each row's tools (of `environments[i]`, named
     `names[i]`): `tool_episodes` with the run's settings; then the environments of abandoned calls
-    are discarded and the episodes' counts over every process recorded (collective)."""
+    are discarded. Returns the rollout, the completions and this process's `episode_counts`.
+    `generate`: async GRPO's generation thread, sampling this process's rows alone (no lockstep);
+    default `trainer.generate_completions`, every process in step."""
     args, accelerator, toolbox = trainer.args, trainer.accelerator, trainer.toolbox
     result, messages, episodes = tool_episodes(
         prompts,
-        toolbox.for_episodes(trainer.environments, len(prompts)),
+        toolbox.for_episodes(environments, len(prompts)),
         [toolbox.schemas[name] for name in names or [None] * len(prompts)],
         trainer.processing_class,
-        trainer.generate_completions,
+        generate or trainer.generate_completions,
         max_prompt_length=args.max_prompt_length,
         max_iterations=args.max_tool_calling_iterations,
         max_completion_length=args.max_completion_length,
@@ -179,13 +187,11 @@ def trainer_tool_episodes(trainer, prompts: list[list[dict]], names: list | None
         device=accelerator.device,
         chat_template_kwargs=args.chat_template_kwargs,
         pad_to_multiple_of=args.pad_to_multiple_of,
-        any_active=trainer.generator.any_active,
+        any_active=None if generate else trainer.generator.any_active,
     )
-    if trainer.environments is not None:  # an abandoned call may still be running on its environment
-        trainer.environment_pool.discard_timed_out(trainer.environments, episodes)
-    counts = torch.tensor(episode_counts(episodes), device=accelerator.device)  # (4,)
-    trainer.record(tool_metrics(accelerator.gather(counts).view(-1, 4).sum(dim=0).tolist()))
-    return result, messages
+    if environments is not None:  # an abandoned call may still be running on its environment
+        trainer.environment_pool.discard_timed_out(environments, episodes)
+    return result, messages, episode_counts(episodes)
 
 
 def episode_counts(episodes: list[Episode]) -> list[int]:
