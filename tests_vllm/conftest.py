@@ -6,16 +6,13 @@ of a skip. One engine per module (`shared_engine`), one server per session (`vll
 
 import importlib.util
 import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
 import pytest
+from vllm_server_process import KV_CACHE_BYTES, MAX_MODEL_LEN, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # trainer_helpers, server helpers
@@ -30,14 +27,6 @@ if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_*.py"]  # noqa: F841 (read by pytest)
 
 SERVER_START_TIMEOUT = 400  # seconds; ~80 s on 2 idle cores
-KV_CACHE_BYTES = 256 * 2**20
-MAX_MODEL_LEN = 768
-
-
-def model_path() -> str:
-    from grpo_hf.models.loading import resolve_model_path
-
-    return str(resolve_model_path("smollm2-135m-instruct"))
 
 
 def vllm_settings(**overrides) -> dict:
@@ -86,35 +75,11 @@ def vllm_server(tmp_path_factory):
 
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(), "--dtype", "float32",
-        "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
-        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--logprobs-mode", "processed_logprobs",
-        "--enforce-eager", "--max-num-seqs", "32", "--seed", "0",
-    ]  # fmt: skip
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the vLLM server exited ({process.returncode}):\n{log.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(url + "/health", timeout=5)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"no vLLM server after {SERVER_START_TIMEOUT} s:\n{log.read_text()[-3000:]}")
-                time.sleep(2)
-        yield url
+        process = start_server(port, log, SERVER_START_TIMEOUT)
+    except RuntimeError as error:
+        pytest.fail(str(error))
+    try:
+        yield f"http://127.0.0.1:{port}"
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_server(process)

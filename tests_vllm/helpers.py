@@ -5,8 +5,8 @@ import dataclasses
 import math
 
 import torch
-from conftest import model_path
 from peft import LoraConfig
+from vllm_server_process import model_path
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.data import rollout
