@@ -68,7 +68,7 @@ from grpo_hf.episodes.environments import (
     environment_pool,
     train_dataset_or_placeholder,
 )
-from grpo_hf.episodes.multi_turn import tool_metrics, trainer_tool_episodes
+from grpo_hf.episodes.multi_turn import recorded_episodes, trainer_tool_episodes
 from grpo_hf.episodes.rollout_func import RolloutFunc, call_rollout_func
 from grpo_hf.episodes.tools import Toolbox, check_tool_call_format
 from grpo_hf.models.policy import load_policy, model_init_kwargs, prepare_policy, reward_model_loading
@@ -295,7 +295,7 @@ class GRPOTrainer(Trainer):
         """Generate, score and prepare one generation batch; return its micro-batches."""
         args = self.args
         ahead = self.async_rounds and self.model.training  # async GRPO: sampled on its thread already
-        scored = self._recorded_episodes(self.async_rounds.take() if ahead else self._sample_and_score(rows))
+        scored = recorded_episodes(self, self.async_rounds.take() if ahead else self._sample_and_score(rows))
         if args.dynamic_sampling and self.model.training:
             scored = self._dynamically_sampled(scored)
         all_rewards = self.accelerator.gather(scored.rewards_per_func)  # (N, F) every process's
@@ -370,25 +370,17 @@ class GRPOTrainer(Trainer):
         extras = (logs.extra_rows, logs.metrics, counts)
         return ScoredRound(result, prompts, completions, scores, errors, retried, seconds, *extras)
 
-    def _recorded_episodes(self, scored: ScoredRound) -> ScoredRound:
-        """`scored`, its tool episodes' counts over every process recorded (collective; on the training
-        thread, whichever thread sampled the round)."""
-        if scored.episode_counts is not None:
-            counts = torch.tensor(scored.episode_counts, device=self.accelerator.device)  # (4,)
-            self.record(tool_metrics(self.accelerator.gather(counts).view(-1, 4).sum(dim=0).tolist()))
-            scored.episode_counts = None
-        return scored
-
     def _dynamically_sampled(self, first: ScoredRound) -> ScoredRound:
         """DAPO dynamic sampling: this process's share of a batch of groups that teach."""
         args = self.args
         weights = self.reward_weights.to(first.rewards_per_func.device)
         scored, metrics = sample_teaching_groups(
             first,
-            sample_more=lambda: self._recorded_episodes(
+            sample_more=lambda: recorded_episodes(
+                self,
                 self._sample_and_score(
                     self.extra_rounds.rows(len(first.prompts), self.accelerator.process_index)
-                )
+                ),
             ),
             gather=lambda scored: gather_round(self.accelerator, scored, self.processing_class.pad_token_id),
             combine=lambda rewards_per_func: aggregate_rewards(

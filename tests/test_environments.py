@@ -22,6 +22,7 @@ from grpo_hf.episodes.environments import (
     check_reward_source,
     train_dataset_or_placeholder,
 )
+from grpo_hf.episodes.multi_turn import recorded_episodes
 
 TOKENIZER = tiny_tokenizer()
 EOS = TOKENIZER.eos_token_id
@@ -128,7 +129,7 @@ def test_a_dict_of_environments_routes_rows_and_describes_only_their_tools(tmp_p
     trainer.script = mixed_script
     assert [t.__name__ for t in trainer.tools] == ["increment", "shout"]
     rows = [{"environment": "counter"}] * 2 + [{"environment": "echo"}] * 2
-    scored = trainer._recorded_episodes(trainer._sample_and_score(rows))  # tool metrics recorded
+    scored = recorded_episodes(trainer, trainer._sample_and_score(rows))  # tool metrics recorded
 
     envs = trainer.environments
     assert [type(e) for e in envs] == [CounterEnv, CounterEnv, EchoEnv, EchoEnv]
@@ -188,7 +189,7 @@ def test_environments_reach_reward_functions_and_trainer_environments(tmp_path):
     )
     trainer.script = lambda context, i: call("increment", step=i) if not answered(context) else "ok"
     rows = [chat_dataset(2)[0]] * 4
-    scored = trainer._recorded_episodes(trainer._sample_and_score(rows))  # tool metrics recorded
+    scored = recorded_episodes(trainer, trainer._sample_and_score(rows))  # tool metrics recorded
     assert seen[-1] is trainer.environments and len(trainer.environments) == 4
     # single factory: reset gets the whole row, prompt included (as TRL passes it)
     assert trainer.environments[0].seen == rows[0]
@@ -300,7 +301,7 @@ def test_an_environment_whose_call_timed_out_is_not_reused(tmp_path):
         call("wait", seconds=[1.0, 0, 0, 0][i]) if not answered(context) else "ok"
     )
     rows = [chat_dataset(2)[0]] * 4
-    trainer._recorded_episodes(trainer._sample_and_score(rows))  # tool metrics recorded
+    recorded_episodes(trainer, trainer._sample_and_score(rows))  # tool metrics recorded
     first = trainer.environments
     assert trainer.metrics.values["train"]["tools/failure_frequency"] == [0.25]  # the timeout failed
     trainer._sample_and_score(rows)
@@ -369,7 +370,7 @@ def test_an_environment_whose_get_reward_timed_out_is_not_reused(tmp_path, stuck
     trainer = trainer_for(tmp_path, args=args, environment_factory=StuckEnv)
     trainer.script = lambda context, i: "ok"
     rows = [chat_dataset(2)[0]] * 4
-    scored = trainer._recorded_episodes(trainer._sample_and_score(rows))  # tool metrics recorded
+    scored = recorded_episodes(trainer, trainer._sample_and_score(rows))  # tool metrics recorded
     assert scored.rewards_per_func[:, 0].tolist() == [0.0, 1.0, 1.0, 1.0] and scored.errors == 1
     first = trainer.environments
     trainer._sample_and_score(rows)

@@ -77,7 +77,8 @@ def test_fused_head_of_the_padding_free_pass_computes_in_float32(monkeypatch):
     assert model.lm_head.weight.grad.dtype == torch.float32
 
 
-def test_fused_head_is_float32_under_the_trainers_bf16_autocast(monkeypatch):
+def head_dtypes(monkeypatch) -> list:
+    """The dtype every fused LM-head call computes in, recorded as the calls happen."""
     dtypes = []
     original = logprobs.head_token_logps
     monkeypatch.setattr(
@@ -85,6 +86,22 @@ def test_fused_head_is_float32_under_the_trainers_bf16_autocast(monkeypatch):
         "head_token_logps",
         lambda *args, **kwargs: dtypes.append(args[5]) or original(*args, **kwargs),
     )
+    return dtypes
+
+
+def bf16_head_trainer(tmp_path, model) -> GRPOTrainer:
+    """One --bf16 step of `model` with cast_lm_head_to_fp32 and a reference model (beta 0.04)."""
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, cast_lm_head_to_fp32=True, bf16=True, beta=0.04, max_steps=1),
+        train_dataset=chat_dataset(),
+        processing_class=tiny_tokenizer(),
+    )
+
+
+def test_fused_head_is_float32_under_the_trainers_bf16_autocast(monkeypatch):
+    dtypes = head_dtypes(monkeypatch)
     model = tiny_llama()  # float32 weights, bf16 autocast: mixed precision as --bf16 runs it
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         completion_logps(model, IDS, torch.ones_like(IDS), C)
@@ -176,20 +193,8 @@ def test_training_with_a_float32_head_under_bf16(tmp_path, monkeypatch):
     """--bf16 on a float32 Llama: the policy's, the reference's and the bf16 generation copy's heads are
     float32 (the copy's other weights bf16, decoded by LlamaDecoder); every scoring pass computes the
     head in float32; the head trains."""
-    dtypes = []
-    original = logprobs.head_token_logps
-    monkeypatch.setattr(
-        logprobs,
-        "head_token_logps",
-        lambda *args, **kwargs: dtypes.append(args[5]) or original(*args, **kwargs),
-    )
-    trainer = GRPOTrainer(
-        model=tiny_llama(),
-        reward_funcs=length_reward,
-        args=make_config(tmp_path, cast_lm_head_to_fp32=True, bf16=True, beta=0.04, max_steps=1),
-        train_dataset=chat_dataset(),
-        processing_class=tiny_tokenizer(),
-    )
+    dtypes = head_dtypes(monkeypatch)
+    trainer = bf16_head_trainer(tmp_path, tiny_llama())
     copy = trainer.generator.copy.model  # the bf16 generation copy the local generator samples from
     assert (
         copy.model.embed_tokens.weight.dtype == torch.bfloat16 and copy.lm_head.weight.dtype == torch.float32
@@ -206,20 +211,8 @@ def test_training_with_a_float32_head_under_bf16(tmp_path, monkeypatch):
 def test_training_a_tied_head_under_bf16(tmp_path, monkeypatch):
     """--bf16 on a float32 tied Llama (TRL casts it too): every scoring pass computes the head in
     float32; the head, which is the embedding, trains and stays tied to it."""
-    dtypes = []
-    original = logprobs.head_token_logps
-    monkeypatch.setattr(
-        logprobs,
-        "head_token_logps",
-        lambda *args, **kwargs: dtypes.append(args[5]) or original(*args, **kwargs),
-    )
-    trainer = GRPOTrainer(
-        model=tied_llama(),
-        reward_funcs=length_reward,
-        args=make_config(tmp_path, cast_lm_head_to_fp32=True, bf16=True, beta=0.04, max_steps=1),
-        train_dataset=chat_dataset(),
-        processing_class=tiny_tokenizer(),
-    )
+    dtypes = head_dtypes(monkeypatch)
+    trainer = bf16_head_trainer(tmp_path, tied_llama())
     for model in (trainer.model, trainer.ref_model, trainer.generator.copy.model):
         assert type(model.lm_head) is Float32Head and model.lm_head.weight is model.model.embed_tokens.weight
     before = trainer.model.lm_head.weight.detach().clone()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from grpo_hf.data.rollout import Rollout, left_padded, tokenize_prompts
+from grpo_hf.data.rollout import Rollout, ScoredRound, left_padded, tokenize_prompts
 from grpo_hf.episodes.tools import (
     ToolCall,
     ToolResult,
@@ -192,6 +192,17 @@ def trainer_tool_episodes(
     if environments is not None:  # an abandoned call may still be running on its environment
         trainer.environment_pool.discard_timed_out(environments, episodes)
     return result, messages, episode_counts(episodes)
+
+
+def recorded_episodes(trainer, scored: ScoredRound) -> ScoredRound:
+    """`scored`, its tool episodes' counts (`ScoredRound.episode_counts`) summed over every process
+    and recorded as `tool_metrics` (collective: on the training thread, whichever thread sampled the
+    round); recorded once."""
+    if scored.episode_counts is not None:
+        counts = torch.tensor(scored.episode_counts, device=trainer.accelerator.device)  # (4,)
+        trainer.record(tool_metrics(trainer.accelerator.gather(counts).view(-1, 4).sum(dim=0).tolist()))
+        scored.episode_counts = None
+    return scored
 
 
 def episode_counts(episodes: list[Episode]) -> list[int]:
