@@ -17,8 +17,8 @@ after the first; tokens/s ours' logged generation/tokens_per_second, TRL's compl
 its own generate timer; peak memory the last step's `torch.cuda.max_memory_allocated` (on a CPU
 the worker's peak RSS). The reference process generates `--reference-rows` x `--reference-tokens`
 from the smol model with transformers' `generate` on a static cache (compiled on CUDA) and with our
-decoders (generation_backend 'llama_static' and 'llama'): each line's tokens/s is its second call's;
-its first call's seconds (compilation, or the CUDA graph capture) are printed beside.
+decoders (generation_backend 'llama_static' and 'llama'; on CUDA 'llama_compiled' too, compiled
+as theirs is): each line's tokens/s is its second call's; its first call's seconds (compilation, or the CUDA graph capture) are printed beside.
 TRL is needed only for its side (`pip install -e ".[bench]"`); without it that side is skipped and
 the output says so. Results: bench/results/gpu_decode.json.
 """
@@ -83,8 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-completion-length", type=int, default=None, help="Every workload.")
     parser.add_argument(
         "--generation-backend",
-        default="llama_static",
-        help="Ours: GRPOConfig.generation_backend (the fixed-shape decoder by default).",
+        default="auto",
+        help="Ours: GRPOConfig.generation_backend ('auto': on a GPU the compiled fixed-shape decoder).",
     )
     parser.add_argument("--reference-rows", type=int, default=64)
     parser.add_argument("--reference-tokens", type=int, default=256)
@@ -200,7 +200,7 @@ def reference(spec: dict) -> dict:
             eos,
         )
     }
-    for backend in REFERENCE_BACKENDS:
+    for backend in REFERENCE_BACKENDS + (("llama_compiled",) if device == "cuda" else ()):  # as theirs
         lines[f"ours_{backend}"] = timed(
             lambda b=backend: generate(model, ids, mask, ours, b).completion_ids, eos
         )

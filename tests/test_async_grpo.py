@@ -15,7 +15,7 @@ import pytest
 import torch
 from fake_vllm_server import FakeVLLMServer
 from tiny_models import tiny_llama, tiny_tokenizer
-from trainer_helpers import chat_dataset, length_reward, make_config
+from trainer_helpers import chat_dataset, exact_resume, length_reward, make_config
 from transformers import TrainerCallback
 from two_processes import launch_two_processes
 
@@ -378,6 +378,7 @@ def test_resume_continues_exactly_no_prompt_lost_or_seen_twice(tmp_path, stop_af
         return sorted((tuple(b["prompt"]), b["seed"], b["n"]) for b in fake.completions())
 
     straight_server, stopped_server, resumed_server = (FakeVLLMServer(EOS) for _ in range(3))
+    settings = settings | exact_resume()
     try:
         straight = trainer_for(tmp_path / "straight", straight_server.url, **settings)
         straight.train()

@@ -7,6 +7,8 @@ runs the warm-up steps on the state as a real capture does. The tests marked `cu
 without a GPU) replay real CUDA graphs.
 """
 
+import importlib.util
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -15,7 +17,7 @@ from tiny_models import tiny_llama
 from transformers import GenerationConfig
 
 from grpo_hf import GRPOConfig
-from grpo_hf.engine import fixed_shape
+from grpo_hf.engine import decoding, fixed_shape
 from grpo_hf.engine.decoding import LlamaDecoder, StaticLlamaDecoder, decoder_for
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.local import generate, logits_processors
@@ -192,7 +194,7 @@ def test_a_failed_capture_names_the_setting_that_avoids_it(monkeypatch):
     monkeypatch.setattr(fixed_shape, "capture", capture)
     ids, mask = prompts()
     with pytest.raises(
-        RuntimeError, match=r"CUDA graph failed \(operation not permitted.*generation_backend='llama'"
+        RuntimeError, match=r"CUDA graph failed \(operation not permitted.*'llama_static'.*or 'llama' without"
     ):
         generate(tiny_llama().eval(), ids, mask, sampling(), "llama_static")
 
@@ -242,6 +244,7 @@ def test_generation_backend_llama_static_is_a_choice_with_its_limits():
 def test_auto_takes_the_fixed_shape_decoder_on_a_gpu_unless_a_processor_needs_the_loop():
     model = tiny_llama().to("cuda")
     assert type(decoder_for(model, 3)) is StaticLlamaDecoder
+    assert decoder_for(model, 3).compiled is (importlib.util.find_spec("triton") is not None)
     assert type(decoder_for(model, 3, "llama")) is LlamaDecoder
     processors = logits_processors(sampling(no_repeat_ngram_size=2), device=torch.device("cuda"))
     assert type(decoder_for(model, 3, "auto", processors)) is LlamaDecoder
@@ -267,3 +270,58 @@ def test_cuda_graph_replay_equals_the_eager_steps(dtype, knobs, monkeypatch):
         assert_same_rollout(replayed, eager)
     (state,) = fixed_shape.buffers_of(model).states.values()
     assert len(state.graphs) == 1 and state.capture_seconds > 0
+
+
+@pytest.fixture
+def cheap_compile(monkeypatch):
+    """`compiled_forward` traced by dynamo and AOTAutograd as on a GPU, the kernels left to eager
+    ops (inductor's C++ build of even the tiny model takes ~25 s on a CPU)."""
+    compiled = torch.compile(StaticLlamaDecoder.eager_forward, backend="aot_eager", dynamic=False)
+    monkeypatch.setattr(decoding, "compiled_forward", lambda: compiled)
+
+
+def test_the_compiled_step_is_the_static_step(cheap_compile, eager_graphs):
+    """'llama_compiled' samples the same tokens as the static steps, round after round, and a LoRA
+    policy's refreshed weights reach it (they are inputs of the compiled code, not constants)."""
+    policy = lora_policy()
+    copy = GenerationCopy(policy, torch.float32)
+    ids, mask = prompts()
+    previous = None
+    for seed in range(3):
+        with torch.no_grad():
+            for name, param in policy.named_parameters():
+                if "q_proj.lora_B" in name:
+                    param.add_(1.0)
+        copy.refresh()
+        rollouts = []
+        for backend in ("llama_static", "llama_compiled"):
+            torch.manual_seed(seed)
+            rollouts.append(generate(copy.model, ids, mask, sampling(top_p=0.9), backend))
+        assert_same_rollout(rollouts[1], rollouts[0])
+        assert previous is None or not torch.equal(rollouts[1].completion_ids, previous.completion_ids)
+        previous = rollouts[1]
+    assert eager_graphs.captures == 2  # one step each: a compiled step never replays the uncompiled one
+    assert type(decoder_for(copy.model, 3, "llama_compiled")) is StaticLlamaDecoder
+    assert decoder_for(copy.model, 3, "llama_compiled").compiled
+
+
+@pytest.mark.cuda
+def test_the_compiled_step_replays_as_a_cuda_graph():
+    """Inductor's kernels captured as the step's CUDA graph: the tokens and log-probs of the
+    uncompiled steps run eagerly, round after round, with refreshed LoRA weights."""
+    policy = lora_policy().to("cuda")
+    copy = GenerationCopy(policy, torch.float32)
+    ids, mask = prompts(device="cuda")
+    for seed in range(3):
+        with torch.no_grad():
+            for name, param in policy.named_parameters():
+                if "q_proj.lora_B" in name:
+                    param.add_(1.0)
+        copy.refresh()
+        torch.manual_seed(seed)
+        replayed = generate(copy.model, ids, mask, sampling(top_p=0.9), "llama_compiled")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fixed_shape, "graphs_enabled", lambda device: False)
+            torch.manual_seed(seed)
+            eager = generate(copy.model, ids, mask, sampling(top_p=0.9), "llama_static")
+        assert_same_rollout(replayed, eager)

@@ -15,7 +15,9 @@ from grpo_hf.engine import cpu
 
 @pytest.fixture(params=[True, False], ids=["native-bf16", "no-native-bf16"])
 def native(request, monkeypatch) -> bool:
+    """A machine without a GPU whose CPU has native bf16 or not."""
     monkeypatch.setattr(cpu, "native_bf16", lambda: request.param)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     return request.param
 
 
@@ -28,6 +30,12 @@ def test_auto_picks_bf16_only_where_the_cpu_computes_it(tmp_path, native):
 @pytest.mark.cpu_kind
 def test_auto_on_this_machine_follows_its_instruction_sets(tmp_path):
     assert make_config(tmp_path, precision="auto").bf16 is cpu.native_bf16()
+
+
+@pytest.mark.cuda
+def test_auto_on_a_gpu_follows_the_gpu(tmp_path):
+    args = make_config(tmp_path, precision="auto", use_cpu=False)
+    assert args.bf16 is torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 @pytest.mark.parametrize(("precision", "bf16"), [("bf16", True), ("fp32", False)])

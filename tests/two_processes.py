@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from trainer_helpers import free_port
+from trainer_helpers import DEVICE_VARIABLE, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,6 +23,7 @@ def launch_two_processes(
     """`accelerate launch` of `script` on 2 CPU processes over gloo with recipes/accelerate/`config`;
     fails the test on a hang, and with `check` on an error. Returns the launch's output."""
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env[DEVICE_VARIABLE] = "cpu"  # the workers' trainers too, whatever device the suite trains on
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file",
         str(ROOT / "recipes" / "accelerate" / config), "--main_process_port", str(free_port()),

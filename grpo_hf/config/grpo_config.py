@@ -152,7 +152,8 @@ class GRPOConfig(
             "help": "Which decoder generates: 'auto' (Llama's maths on the raw weights where it reproduces "
             "the model, in fixed shapes replayed as CUDA graphs on a GPU; the model's own forward elsewhere), "
             "'llama' (Llama's maths, rows leaving the batch as they end, or an error), 'llama_static' (Llama's "
-            "maths in fixed shapes on a static cache, CUDA graphs on a GPU, or an error), 'transformers' (the "
+            "maths in fixed shapes on a static cache, CUDA graphs on a GPU, or an error), 'llama_compiled' (the same, "
+            "its step through torch.compile first: auto's choice on a GPU with Triton), 'transformers' (the "
             "model's own forward with a DynamicCache, any architecture), 'vllm' (vLLM, see vllm_mode; "
             "use_vllm=True sets it)."
         },

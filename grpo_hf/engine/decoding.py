@@ -22,6 +22,7 @@ times a step of each on the benchmark's shapes.
 """
 
 import functools
+import importlib.util
 import weakref
 from collections.abc import Callable
 
@@ -294,10 +295,11 @@ class StaticLlamaDecoder(LlamaDecoder):
     attention bias held on the device. `decode` replaces the loop's prefill / step / keep.
     """
 
-    def __init__(self, model: nn.Module, max_new_tokens: int):
+    def __init__(self, model: nn.Module, max_new_tokens: int, compiled: bool = False):
         super().__init__(model, fixed_shape.bucket(max_new_tokens))
         self.buffers = fixed_shape.buffers_of(model)
         self.vocab = model.lm_head.weight.shape[0]
+        self.compiled = compiled  # the step's model part through torch.compile (`compiled_forward`)
 
     def decode(
         self,
@@ -344,6 +346,12 @@ class StaticLlamaDecoder(LlamaDecoder):
 
     def forward(self, token: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Feed (R,) tokens at step `t` ((1,) on the device); (R, V) float32 logits."""
+        if self.compiled:
+            return compiled_forward()(self, token, t)
+        return self.eager_forward(token, t)
+
+    def eager_forward(self, token: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """`forward` op by op."""
         column = t + self.prompt_length  # (1,)
         cos, signed_sin = (x.index_select(1, t).squeeze(1) for x in (self.cos, self.signed_sin))  # (R, 1, D)
         mask = self.mask.masked_fill(self.state.columns > column, float("-inf"))  # (R, 1, 1, W)
@@ -363,7 +371,19 @@ class StaticLlamaDecoder(LlamaDecoder):
         return tuple(w.data_ptr() for w in (self.embed, self.final_norm, *norms, *self.weights))
 
 
-DECODERS = ("auto", "llama", "llama_static", "transformers")
+@functools.cache
+def compiled_forward() -> Callable:
+    """`StaticLlamaDecoder.eager_forward` through `torch.compile` (inductor, static shapes), made once
+    per process: RMSNorm, RoPE, the cache writes and SwiGLU become a few fused kernels instead of
+    ~35 per layer, which is what a CUDA-graph step of a small model is made of. It compiles at the
+    first step of each bucket (before the capture; tens of seconds), and the graph then replays the
+    fused kernels. The decoder's tensors are inputs of the compiled code, not constants: new weights
+    and caches reach it without compiling again."""
+    return torch.compile(StaticLlamaDecoder.eager_forward, dynamic=False)
+
+
+DECODERS = ("auto", "llama", "llama_static", "llama_compiled", "transformers")
+STATIC_DECODERS = ("llama_static", "llama_compiled")
 
 
 def decoder_for(
@@ -373,14 +393,15 @@ def decoder_for(
 
     `backend` (`GRPOConfig.generation_backend`): 'auto' takes Llama's maths on the raw weights
     wherever they reproduce the model (`is_plain_llama`), and the model's own forward elsewhere:
-    on a CUDA device `StaticLlamaDecoder` (fixed shapes, each step a CUDA graph) unless a logits
-    processor of the call's `processors` needs the shrinking loop, elsewhere `LlamaDecoder` (rows
-    leave as they end: what a CPU's step costs). 'llama' / 'llama_static' / 'transformers' insist on one.
+    on a CUDA device `StaticLlamaDecoder` (fixed shapes, each step a CUDA graph, compiled where
+    Triton is installed) unless a logits processor of the call's `processors` needs the shrinking loop, elsewhere `LlamaDecoder` (rows
+    leave as they end: what a CPU's step costs). 'llama' / 'llama_static' / 'transformers' insist on
+    one; 'llama_compiled' is 'llama_static' with its step compiled (`compiled_forward`).
     """
     if backend not in DECODERS:
         raise ValueError(f"generation_backend={backend!r} is not one of {DECODERS}.")
     plain_llama = is_plain_llama(model)
-    if backend in ("llama", "llama_static") and not plain_llama:
+    if backend in ("llama", *STATIC_DECODERS) and not plain_llama:
         raise ValueError(
             f"generation_backend={backend!r} needs a plain LlamaForCausalLM with whole local weights, not "
             f"{type(model).__name__}; set generation_backend='auto'."
@@ -388,12 +409,15 @@ def decoder_for(
     if not plain_llama or backend == "transformers":
         return TransformersDecoder(model)
     variable = fixed_shape.variable_shape_settings(processors)
-    if backend == "llama_static" and variable:
+    if backend in STATIC_DECODERS and variable:
         raise ValueError(
-            f"generation_backend='llama_static' decodes in fixed shapes, which the sampling settings {variable} "
+            f"generation_backend={backend!r} decodes in fixed shapes, which the sampling settings {variable} "
             "do not allow; drop them from generation_kwargs or set generation_backend='llama' (or 'auto')."
         )
     on_cuda = model.model.embed_tokens.weight.device.type == "cuda"
-    if backend == "llama_static" or (backend == "auto" and on_cuda and not variable):
-        return StaticLlamaDecoder(model, max_new_tokens)
+    if backend in STATIC_DECODERS or (backend == "auto" and on_cuda and not variable):
+        compiled = backend == "llama_compiled" or (
+            backend == "auto" and importlib.util.find_spec("triton") is not None
+        )
+        return StaticLlamaDecoder(model, max_new_tokens, compiled=compiled)
     return LlamaDecoder(model, max_new_tokens)

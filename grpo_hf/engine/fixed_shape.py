@@ -155,7 +155,7 @@ class DecodeState:
         self.tokens = torch.zeros(rows, new_tokens, **long)  # (R, N)
         self.logps = torch.zeros(rows, new_tokens, device=device)  # (R, N) float32
         self.model: dict[str, object] = {}
-        self.graphs: dict[str, tuple] = {}  # sampling key -> (replay, weight pointers, tensors kept)
+        self.graphs: dict[tuple, tuple] = {}  # (compiled, sampling key) -> (replay, weight pointers, kept)
         self.capture_seconds: float | None = None  # the last capture's
 
     def begin(
@@ -272,9 +272,9 @@ def capture(run_step: Callable[[], None], device: torch.device) -> Callable[[], 
 
 
 def graph_for(
-    state: DecodeState, key: str, pointers: tuple[int, ...], run_step: Callable[[], None], keep: tuple
+    state: DecodeState, key: tuple, pointers: tuple[int, ...], run_step: Callable[[], None], keep: tuple
 ) -> tuple[Callable[[], None], bool]:
-    """The replay of the step for sampling settings `key`, and whether it was captured just now
+    """The replay of the step for `key` (compiled or not, sampling settings), and whether it was captured just now
     (capturing runs steps on the state). Captured again when a weight it reads moved (`pointers`);
     `keep`: tensors the step reads that nothing else holds."""
     cached = state.graphs.pop(key, None)  # a stale graph's memory goes before capturing anew
@@ -286,8 +286,8 @@ def graph_for(
         replay = capture(run_step, state.t.device)
     except RuntimeError as error:
         raise RuntimeError(
-            f"Capturing the decoding step as a CUDA graph failed ({error}); set generation_backend='llama' "
-            "to decode without CUDA graphs."
+            f"Capturing the decoding step as a CUDA graph failed ({error}); set generation_backend='llama_static' "
+            "to decode without torch.compile, or 'llama' without CUDA graphs."
         ) from error
     state.capture_seconds = time.perf_counter() - start
     state.graphs[key] = (replay, pointers, keep)
@@ -361,7 +361,8 @@ def _decode(decoder, state, prompt_ids, prompt_mask, config, choose, uniforms, a
     begin()
     replay = run_step
     if graphs_enabled(ids.device):
-        replay, captured = graph_for(state, sampling_key(config), decoder.weight_pointers(), run_step, (eos,))
+        key = (decoder.compiled, sampling_key(config))  # compiled or not, the steps' kernels differ
+        replay, captured = graph_for(state, key, decoder.weight_pointers(), run_step, (eos,))
         if captured:
             begin()  # warming the capture up ran steps on the state
     return run(state, replay, config.max_new_tokens, rows, all_done)
