@@ -36,7 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, Trai
 from transformers.trainer_utils import rotate_checkpoints
 
 from grpo_hf.algorithm import masks
-from grpo_hf.algorithm.advantages import aggregate_rewards, batch_advantages
+from grpo_hf.algorithm.advantages import batch_advantages
 from grpo_hf.algorithm.loss import adaptive_beta, dapo_normalizers, grpo_loss
 from grpo_hf.algorithm.masks import gather_ragged, policy_weights
 from grpo_hf.algorithm.sampler_correction import sampler_metrics
@@ -60,7 +60,7 @@ from grpo_hf.engine import precision_line
 from grpo_hf.engine.backends import build_generator
 from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.episodes.async_rounds import async_rounds, stopping
-from grpo_hf.episodes.dynamic_sampling import ExtraRounds, gather_round, sample_teaching_groups
+from grpo_hf.episodes.dynamic_sampling import ExtraRounds, trainer_dynamic_sampling
 from grpo_hf.episodes.environments import (
     EMPTY_PROMPT,
     EnvironmentFactory,
@@ -297,7 +297,7 @@ class GRPOTrainer(Trainer):
         ahead = self.async_rounds and self.model.training  # async GRPO: sampled on its thread already
         scored = recorded_episodes(self, self.async_rounds.take() if ahead else self._sample_and_score(rows))
         if args.dynamic_sampling and self.model.training:
-            scored = self._dynamically_sampled(scored)
+            scored = trainer_dynamic_sampling(self, scored)
         all_rewards = self.accelerator.gather(scored.rewards_per_func)  # (N, F) every process's
         aggregated, all_advantages = batch_advantages(
             all_rewards,
@@ -369,30 +369,6 @@ class GRPOTrainer(Trainer):
         )  # fmt: skip
         extras = (logs.extra_rows, logs.metrics, counts)
         return ScoredRound(result, prompts, completions, scores, errors, retried, seconds, *extras)
-
-    def _dynamically_sampled(self, first: ScoredRound) -> ScoredRound:
-        """DAPO dynamic sampling: this process's share of a batch of groups that teach."""
-        args = self.args
-        weights = self.reward_weights.to(first.rewards_per_func.device)
-        scored, metrics = sample_teaching_groups(
-            first,
-            sample_more=lambda: recorded_episodes(
-                self,
-                self._sample_and_score(
-                    self.extra_rounds.rows(len(first.prompts), self.accelerator.process_index)
-                ),
-            ),
-            gather=lambda scored: gather_round(self.accelerator, scored, self.processing_class.pad_token_id),
-            combine=lambda rewards_per_func: aggregate_rewards(
-                rewards_per_func, weights, args.num_generations, args.multi_objective_aggregation
-            ),
-            num_generations=args.num_generations,
-            max_extra_rounds=args.max_dynamic_sampling_rounds,
-            pad_token_id=self.processing_class.pad_token_id,
-            process_index=self.accelerator.process_index,
-        )
-        self.record(metrics)
-        return scored
 
     def _complete_micro_batch(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> dict:
         """Trim padding and add old / reference log-probs (no grad, once per round)."""

@@ -31,8 +31,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from grpo_hf.algorithm.advantages import group_std_is_zero
+from grpo_hf.algorithm.advantages import aggregate_rewards, group_std_is_zero
 from grpo_hf.data.rollout import Rollout, ScoredRound
+from grpo_hf.episodes.multi_turn import recorded_episodes
 
 
 class ExtraRounds:
@@ -200,3 +201,29 @@ def sample_teaching_groups(
     kept_tokens = pool.result.completion_mask[rows].sum().item()
     kept.seconds = pool.seconds * kept_tokens / max(generated, 1)
     return kept, metrics
+
+
+def trainer_dynamic_sampling(trainer, first: ScoredRound) -> ScoredRound:
+    """DAPO dynamic sampling in `trainer`: this process's share of a batch of groups that teach, the
+    extra rounds sampled and scored as the trainer's rounds are, the metrics recorded."""
+    args, accelerator, pad = trainer.args, trainer.accelerator, trainer.processing_class.pad_token_id
+    weights = trainer.reward_weights.to(first.rewards_per_func.device)
+    scored, metrics = sample_teaching_groups(
+        first,
+        sample_more=lambda: recorded_episodes(
+            trainer,
+            trainer._sample_and_score(
+                trainer.extra_rounds.rows(len(first.prompts), accelerator.process_index)
+            ),
+        ),
+        gather=lambda scored: gather_round(accelerator, scored, pad),
+        combine=lambda rewards_per_func: aggregate_rewards(
+            rewards_per_func, weights, args.num_generations, args.multi_objective_aggregation
+        ),
+        num_generations=args.num_generations,
+        max_extra_rounds=args.max_dynamic_sampling_rounds,
+        pad_token_id=pad,
+        process_index=accelerator.process_index,
+    )
+    trainer.record(metrics)
+    return scored
