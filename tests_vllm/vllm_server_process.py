@@ -12,6 +12,9 @@ from pathlib import Path
 
 KV_CACHE_BYTES = 256 * 2**20
 MAX_MODEL_LEN = 768
+# vllm_weight_sync='lora': adapters registered at run time, up to rank 16, two in a batch
+LORA_ARGS = ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"]
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 def model_path() -> str:
@@ -21,18 +24,23 @@ def model_path() -> str:
 
 
 def start_server(
-    port: int, log: Path, timeout: float, prefix: list[str] = (), env: dict | None = None
+    port: int,
+    log: Path,
+    timeout: float,
+    prefix: list[str] = (),
+    env: dict | None = None,
+    lora: bool = False,
 ) -> subprocess.Popen:
     """The server on `port`, its output to `log`, once it answers /health; `prefix` goes before the
-    command (e.g. taskset), `env` adds to the environment. A RuntimeError with the log's tail when it
+    command (e.g. taskset), `env` adds to the environment, `lora` lets it take LoRA adapters. A RuntimeError with the log's tail when it
     exits or does not answer within `timeout` seconds (it is stopped then)."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(), "--dtype", "float32",
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--logprobs-mode", "processed_logprobs",
-        "--enforce-eager", "--max-num-seqs", "32", "--seed", "0",
+        "--enforce-eager", "--max-num-seqs", "32", "--seed", "0", *(LORA_ARGS if lora else []),
     ]  # fmt: skip
-    environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
+    environment = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(LORA_ENV if lora else {}), **(env or {})}
     with open(log, "w") as out:
         process = subprocess.Popen(
             [*prefix, *command], stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True

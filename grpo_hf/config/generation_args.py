@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 VLLM_MODES = ("colocate", "server")
 VLLM_MODEL_IMPLS = ("vllm", "transformers")
-VLLM_WEIGHT_SYNCS = ("auto", "files", "nccl")
+VLLM_WEIGHT_SYNCS = ("auto", "files", "nccl", "lora")
 # vLLM 0.32's SamplingParams fields that its /v1/completions request also takes: the generation_kwargs
 # either vLLM mode accepts. A server ignores a field it does not know (it only logs it), so a name is
 # checked here, before anything starts, without vLLM (tests_vllm/test_colocate.py compares the list
@@ -136,13 +136,16 @@ class GenerationBackendArguments:
             "help": "(grpo-hf) Server: how new weights reach it. 'files': written to vllm_weight_sync_dir (a "
             "folder the server reads) and loaded with reload_weights; 'nccl': vLLM's weight-transfer API "
             'over NCCL (CUDA; start the server with --weight-transfer-config \'{"backend": "nccl"}\'); '
-            "'auto': nccl where the server was started with it and CUDA is here, else files."
+            "'lora': a LoRA policy's adapter alone, to vllm_weight_sync_dir, registered with /v1/load_lora_adapter "
+            "(start the server with --enable-lora --max-lora-rank R --max-loras 2 and "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); 'auto': nccl where the server was started with it and CUDA "
+            "is here, else files."
         },
     )
     vllm_weight_sync_dir: str | None = field(
         default=None,
         metadata={
-            "help": "(grpo-hf) Server, 'files': the shared folder; default <output_dir>/_vllm-weights (a '_' "
+            "help": "(grpo-hf) Server, 'files' and 'lora': the shared folder; default <output_dir>/_vllm-weights (a '_' "
             "folder: push_to_hub leaves it out). Each update is removed once the next is loaded, the last when "
             "training ends."
         },
@@ -242,6 +245,10 @@ class GenerationBackendArguments:
                 ("vllm_weight_sync", VLLM_WEIGHT_SYNCS),
             ),
         )
+        if self.vllm_weight_sync == "lora" and self.vllm_mode != "server":
+            raise ValueError(
+                "vllm_weight_sync='lora' registers the adapter with a vLLM server: it needs vllm_mode='server'."
+            )
         needs_vllm = self.vllm_mode == "colocate" or self.vllm_weight_sync == "nccl"
         if needs_vllm and importlib.util.find_spec("vllm") is None:
             raise ValueError(

@@ -123,7 +123,7 @@ class Generator(ABC):
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, policy_version: int
     ) -> Rollout:
         if policy_version != self.version:
-            self.load_policy()
+            self.load_policy(policy_version)
             self.version, self.calls = policy_version, 0
         self.calls += 1
         return self._generate(prompt_ids, prompt_mask, sampling)
@@ -160,8 +160,8 @@ class Generator(ABC):
         return None  # the local and colocate backends keep nothing
 
     @abstractmethod
-    def load_policy(self) -> None:
-        """Take the policy's current weights."""
+    def load_policy(self, version: int) -> None:
+        """Take the policy's current weights, policy version `version`."""
 
     @abstractmethod
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:

@@ -278,7 +278,7 @@ class LocalGenerator(Generator):
     def collective(self) -> bool:
         return self.sharded  # whole parameters are gathered around each call
 
-    def load_policy(self) -> None:
+    def load_policy(self, version: int) -> None:
         if self.copy is not None:
             self.copy.refresh()
 

@@ -14,10 +14,11 @@ A round flows as in synchronous training, each process with its own share of the
   reward functions, async ones and reward models in this process, as in synchronous training).
   It issues no collective: every torch.distributed call (tool metrics, dynamic sampling's extra
   rounds) stays on the training thread;
-- the training thread takes each round when it starts it (`take`: perf/rollout_wait_s) and
-  prepares it as always (advantages over every process, micro-batches, old log-probs). Every
-  weight_sync_steps optimizer steps (`on_step_end`) it waits for the rounds the thread was given,
-  then sends the weights (`ServerGenerator.load_policy`): the next policy version.
+- the training thread takes each round when it starts it (`take`) and prepares it as always
+  (advantages over every process, micro-batches, old log-probs). Every weight_sync_steps optimizer
+  steps (`on_step_end`) it waits for the rounds the thread was given, then sends the weights
+  (`ServerGenerator.load_policy`): the next policy version. perf/rollout_wait_s is both waits
+  (the one at a sync counted with the next take).
 
 Every round comes from one policy version, fixed when its rows are read, and is trained within
 the next sync interval: its staleness (the trainer's version when it takes the round minus the
@@ -89,6 +90,7 @@ class AsyncRounds(TrainerCallback):
         self._read: deque = deque()  # micro-batches read ahead, not handed to the Trainer yet
         self._next_read = 0  # micro-step index of the next micro-batch to read
         self._next_take = 0  # index of the next round the trainer takes
+        self._drained_s = 0.0  # seconds waited for the thread's rounds at syncs since the last take
         self._state = None  # the Trainer's state (global_step, max_steps), from on_train_begin
 
     # ---- Rows: the dataloader read ahead (training thread) --------------------------------------
@@ -141,7 +143,8 @@ class AsyncRounds(TrainerCallback):
         """The next round, sampled and scored (this process's rows), once the thread has made it; a round
         older than max_staleness is sampled again from the current weights. Every process calls it,
         at the start of each round."""
-        start = time.perf_counter()
+        start = time.perf_counter() - self._drained_s  # waiting at the last sync counts too
+        self._drained_s = 0.0
         taken = self.queue.take(self._next_take)
         self._next_take += 1
         staleness = self.version - taken.version
@@ -189,7 +192,9 @@ class AsyncRounds(TrainerCallback):
         checkpoint or an evaluation, the thread finishes the rounds it was given."""
         syncing = state.global_step % self.settings.weight_sync_steps == 0
         if syncing or control.should_save or control.should_evaluate:
+            start = time.perf_counter()
             self.queue.drain()
+            self._drained_s += time.perf_counter() - start
         if syncing:
             start = time.perf_counter()
             self._sync_weights(self.version + 1)
@@ -258,7 +263,7 @@ def async_rounds(trainer) -> AsyncRounds | None:
         return trainer._sample_and_score(rows, generate)
 
     def sync_weights(version: int) -> None:
-        generator.load_policy()
+        generator.load_policy(version)
         generator.version, generator.calls = version, 0
 
     settings = AsyncSettings(

@@ -64,7 +64,7 @@ class VLLMClient:
                         pass  # already closed
 
     def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
-        """One request; the JSON answer ({} for an empty one). Raises ConnectionError (no server, or it
+        """One request; the JSON answer ({} for an empty one, {"text": ...} for plain text). Raises ConnectionError (no server, or it
         went away), TimeoutError (no answer in time) or RuntimeError (the server refused)."""
         timeout = self.timeout if timeout is None else timeout
         data = None if body is None else json.dumps(body).encode()
@@ -103,7 +103,9 @@ class VLLMClient:
             ) from error
         if self.on_answer is not None:
             self.on_answer()
-        return json.loads(text) if text.strip() else {}
+        if not text.strip():
+            return {}
+        return json.loads(text) if text.lstrip()[0] in "{[" else {"text": text}  # LoRA endpoints answer text
 
     def wait_until_up(self, total_timeout: float) -> None:
         """Poll /health until the server answers; ConnectionError after `total_timeout` seconds. An
@@ -173,6 +175,36 @@ class VLLMClient:
             raise RuntimeError(
                 f"The vLLM server could not load the weights written to {folder}; vllm_weight_sync_dir must be a "
                 f"folder the server reads at the same path (shared storage), or use vllm_weight_sync='nccl': {error}"
+            ) from error
+
+    def load_lora_adapter(self, name: str, folder: str) -> None:
+        """Register the PEFT adapter in `folder` (a path the server sees) as the model `name`; an
+        adapter of that name the server holds already (a run resumed against the same server) is
+        replaced."""
+        body = {"lora_name": name, "lora_path": folder}
+        try:
+            self._lora_request("/v1/load_lora_adapter", body)
+        except ServerAnswer as error:
+            if "already" not in str(error):
+                raise
+            self.unload_lora_adapter(name)
+            self._lora_request("/v1/load_lora_adapter", body)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Forget the adapter `name`."""
+        self._lora_request("/v1/unload_lora_adapter", {"lora_name": name})
+
+    def _lora_request(self, path: str, body: dict) -> None:
+        try:
+            self.request("POST", path, body)
+        except ServerAnswer as error:
+            if error.status != 404:
+                raise
+            raise ServerAnswer(
+                f"The vLLM server at {self.base_url} has no {path}: vllm_weight_sync='lora' needs it started with "
+                "--enable-lora --max-lora-rank R (R >= the adapter's rank) --max-loras 2 and the environment "
+                "variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True; or set vllm_weight_sync='files'.",
+                error.status,
             ) from error
 
     def reset_prefix_cache(self) -> None:

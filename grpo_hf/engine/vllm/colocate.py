@@ -81,7 +81,7 @@ class ColocateGenerator(Generator):
             self.llm.wake_up()
             self.asleep = False
 
-    def load_policy(self) -> None:
+    def load_policy(self, version: int) -> None:
         self._wake()
         model = self.policy()
         with unsharded_for_generation(model, self.accelerator):

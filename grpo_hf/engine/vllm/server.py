@@ -6,7 +6,9 @@ hands every process back its own rows by the row counts gathered from each, so p
 different numbers of rows (multi-turn episodes: a process whose episodes have ended takes part with
 none) and ask for different lengths (the round samples the longest; each process cuts its own).
 New weights, once per policy version: whole (gathered under FSDP2 / ZeRO-3), LoRA merged, sent by
-process 0 (`weights.FileWeights` or `weights.NcclWeights`), then the prefix cache reset.
+process 0 (`weights.FileWeights` or `weights.NcclWeights`), or a LoRA policy's adapter alone
+(`weights.AdapterWeights`, vllm_weight_sync='lora': requests then name version v's adapter as
+their model, `weights.adapter_name(v)`), then the prefix cache reset.
 
 Whatever process 0 meets (no server, a timeout, a refusal) reaches every process as the same error
 (`_on_main`), so no process waits forever for a peer that has failed. The others wait for process 0
@@ -40,7 +42,14 @@ from grpo_hf.engine.vllm.requests import (
     samples_for_rows,
     sampling_fields,
 )
-from grpo_hf.engine.vllm.weights import FileWeights, NcclWeights, vllm_weights
+from grpo_hf.engine.vllm.weights import (
+    AdapterWeights,
+    FileWeights,
+    NcclWeights,
+    adapter_name,
+    check_adapter,
+    vllm_weights,
+)
 from grpo_hf.models.sharding import unsharded_for_generation
 
 logger = logging.getLogger(__name__)
@@ -61,8 +70,8 @@ class ServerGenerator(Generator):
         super().__init__(accelerator)
         self.settings, self.policy = settings, policy
         self.client = VLLMClient(settings.vllm.vllm_base_url, settings.vllm.vllm_server_request_timeout)
-        self.sender: FileWeights | NcclWeights | None = None  # process 0's
-        self._on_main(self._connect)
+        self.sender: FileWeights | NcclWeights | AdapterWeights | None = None  # process 0's
+        self.adapters = self._on_main(self._connect) == "lora"  # requests name the version's adapter
 
     @property
     def collective(self) -> bool:
@@ -88,8 +97,8 @@ class ServerGenerator(Generator):
             raise _ERRORS[outcome[1]](f"(from process 0) {outcome[2]}")
         return outcome[1]
 
-    def _connect(self) -> None:
-        """Wait for the server; check its log-probs; choose how weights reach it."""
+    def _connect(self) -> str:
+        """Wait for the server; check its log-probs; choose how weights reach it (returned)."""
         vllm = self.settings.vllm
         self.client.wait_until_up(vllm.vllm_server_timeout)
         config = self.client.server_config()
@@ -101,8 +110,14 @@ class ServerGenerator(Generator):
                 "sampled from: restart it with --logprobs-mode processed_logprobs."
             )
         backend = (config.get("weight_transfer_config") or {}).get("backend")
-        mode = vllm.vllm_weight_sync if vllm.vllm_weight_sync != "auto" else _auto_weight_sync(backend)
-        if mode == "nccl":
+        lora = config.get("lora_config")
+        mode = vllm.vllm_weight_sync
+        if mode == "auto":
+            mode = _auto_weight_sync(backend, lora, self.policy)
+        if mode == "lora":
+            check_adapter(self.policy(), lora)
+            self.sender = AdapterWeights(self.client, vllm.vllm_weights_folder)
+        elif mode == "nccl":
             if backend != "nccl":
                 raise ValueError(
                     "vllm_weight_sync='nccl' needs a server started with --weight-transfer-config "
@@ -112,17 +127,30 @@ class ServerGenerator(Generator):
         else:
             dtype = getattr(torch, str(model_config["dtype"]).removeprefix("torch."))
             self.sender = FileWeights(self.client, vllm.vllm_weights_folder, dtype)
+        logger.info(
+            "Weights reach the vLLM server at %s as %s (vllm_weight_sync).", self.client.base_url, mode
+        )
+        return mode
 
     def close(self) -> None:
-        """Remove the last weight file (process 0's; nothing over the network)."""
+        """Remove the last weight file, or unload the adapters sent (process 0's); the next call
+        sends the weights again."""
         if self.sender is not None:
             self.sender.close()
+        self.version = None
 
-    def load_policy(self) -> None:
+    def load_policy(self, version: int) -> None:
         model = self.policy()
         with unsharded_for_generation(model, self.accelerator):
-            self._on_main(lambda: self.sender.send(vllm_weights(model)))
+            if self.adapters:
+                self._on_main(lambda: self.sender.send(model, version))
+            else:
+                self._on_main(lambda: self.sender.send(vllm_weights(model)))
         self._on_main(self.client.reset_prefix_cache)
+
+    def model_name(self, version: int | None) -> str | None:
+        """The model requests from policy `version` name: its adapter, or None (the served model)."""
+        return adapter_name(version) if self.adapters else None
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:
         mine = (prompt_rows(prompt_ids, prompt_mask), sampling.max_new_tokens)
@@ -148,6 +176,7 @@ class ServerGenerator(Generator):
             lambda k: request_seed(sampling.seed, self.version, self.calls, k),
             self.settings.vllm.vllm_structured_outputs_regex,
             max_requests=32,
+            model=self.model_name(self.version),
         )
 
     def generate_alone(
@@ -171,6 +200,7 @@ class ServerGenerator(Generator):
             lambda k: request_seed(sampling.seed, version, call, k * processes + process),
             self.settings.vllm.vllm_structured_outputs_regex,
             max_requests,
+            self.model_name(version),
         )[0]
         return rollout_from_samples(prompt_ids, prompt_mask, samples, sampling)
 
@@ -182,12 +212,15 @@ def complete_rows(
     seed: Callable[[int], int],
     regex: str | None,
     max_requests: int,
+    model: str | None = None,
 ) -> list[Samples]:
     """Each process's prompt rows -> one request per distinct prompt (request k seeded `seed(k)`, at
-    most `max_requests` at once, all within the client's timeout) -> each process's samples."""
+    most `max_requests` at once, all within the client's timeout; naming `model` if given) -> each
+    process's samples."""
     prompts, counts, slots = plan_prompts([row for rows in everyone for row in rows])
+    named = {} if model is None else {"model": model}
     bodies = [
-        {"prompt": prompt, "return_token_ids": True, **sampling_fields(sampling, n, seed(k), regex)}
+        {"prompt": prompt, "return_token_ids": True, **named, **sampling_fields(sampling, n, seed(k), regex)}
         for k, (prompt, n) in enumerate(zip(prompts, counts, strict=True))
     ]
     answers = client.complete_all(bodies, max_requests)
@@ -196,9 +229,19 @@ def complete_rows(
     return [per_row[start : start + len(rows)] for start, rows in zip(starts, everyone, strict=True)]
 
 
-def _auto_weight_sync(backend: str | None) -> str:
-    """vllm_weight_sync='auto': NCCL where the server offers it, CUDA is here and so is vLLM (its
-    weight-transfer client), else files."""
+def _auto_weight_sync(backend: str | None, lora: dict | None, policy: Callable[[], nn.Module]) -> str:
+    """vllm_weight_sync='auto': the adapter alone where the server takes LoRA adapters (`lora`, its
+    lora_config) and the policy is a plain LoRA one (TRL's rule: starting the server with
+    --enable-lora asks for it); else NCCL where the server offers it, CUDA is here and so is vLLM
+    (its weight-transfer client); else files."""
+    if lora is not None:
+        try:
+            check_adapter(policy(), lora)
+            return "lora"
+        except ValueError as reason:
+            logger.warning(
+                "The vLLM server takes LoRA adapters, but the merged weights go instead: %s", reason
+            )
     if backend != "nccl" or not torch.cuda.is_available():
         return "files"
     if importlib.util.find_spec("vllm") is None:

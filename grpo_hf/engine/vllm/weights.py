@@ -5,9 +5,10 @@ trained biases under the names of the layers they replace, a tied embedding once
 head that trains apart from the embedding it is tied to (vLLM's model ties them and would drop it).
 The weights must be whole: the caller holds `sharding.unsharded_for_generation` around it.
 
-Server mode sends them either as files (`FileWeights`: a safetensors file in a folder the server
+Server mode sends them as files (`FileWeights`: a safetensors file in a folder the server
 reads, then `/collective_rpc reload_weights`; works between any two hosts that share a folder,
-no NCCL) or over NCCL (`NcclWeights`: vLLM's weight-transfer API, trainer process 0 broadcasting
+no NCCL), as a LoRA policy's adapter alone (`AdapterWeights`: a PEFT folder registered with
+`/v1/load_lora_adapter`, which requests then name as their model), or over NCCL (`NcclWeights`: vLLM's weight-transfer API, trainer process 0 broadcasting
 to the server's workers; CUDA only, so it was not run on the CPU machines this was built on; its
 calls were read against vLLM 0.32's source). An NCCL call whose peer never comes blocks for ever:
 the rendezvous and each transfer run on a helper thread, given up after vllm_server_request_timeout.
@@ -81,6 +82,79 @@ class FileWeights:
         if self._current is not None:
             shutil.rmtree(self._current, ignore_errors=True)
             self._current = None
+
+
+def adapter_name(version: int) -> str:
+    """The model name under which the server holds policy version `version`'s adapter."""
+    return f"grpo-hf-policy-v{version}"
+
+
+def check_adapter(model: nn.Module, lora: dict | None) -> None:
+    """Refuse, naming what to change, a policy whose adapter vLLM's LoRA would not reproduce, or a
+    server (its lora_config, None without --enable-lora) that cannot take it."""
+    from peft import PeftModel
+
+    config = model.peft_config.get("default") if isinstance(model, PeftModel) else None
+    if config is None or getattr(config, "peft_type", None) != "LORA":
+        problems = ["the policy has no PEFT LoRA adapter (pass peft_config)"]
+    else:
+        rank = max([config.r, *(config.rank_pattern or {}).values()])
+        problems = [
+            message
+            for wrong, message in (
+                (bool(config.modules_to_save), f"modules_to_save={config.modules_to_save}"),
+                (bool(getattr(config, "use_dora", False)), "use_dora=True"),
+                (config.bias != "none", f"bias={config.bias!r}"),
+                (len(model.peft_config) > 1, f"{len(model.peft_config)} adapters"),
+                (lora is None, "the server was started without --enable-lora"),
+                (
+                    lora is not None and rank > lora["max_lora_rank"],
+                    f"rank {rank} above the server's --max-lora-rank {(lora or {}).get('max_lora_rank')}",
+                ),
+            )  # fmt: skip
+            if wrong
+        ]
+    if problems:
+        raise ValueError(
+            f"vllm_weight_sync='lora' sends the policy's LoRA adapter alone, which vLLM serves only for a plain "
+            f"LoRA adapter and a server that takes it: here {', '.join(problems)}. Restart the server with "
+            "--enable-lora --max-lora-rank R --max-loras 2 and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, or set "
+            "vllm_weight_sync='files' (the merged weights)."
+        )
+
+
+class AdapterWeights:
+    """A LoRA policy's adapter alone (`save_pretrained`: tens of MB where the merged model is the
+    whole model), written to `folder` and registered with the server as `adapter_name(version)`.
+    Once it is, the one before is unloaded and its folder removed: no request asks for it any more
+    (synchronous rounds take the newest; async GRPO finishes the rounds of a version before sending
+    the next, `episodes.async_rounds`). The newest keeps its folder while registered (the server
+    reads an adapter from there again when it left its cache); `close` unloads and removes it."""
+
+    def __init__(self, client: VLLMClient, folder: str):
+        self.client, self.folder = client, os.path.abspath(folder)
+        self._loaded: list[str] = []  # names, oldest first
+
+    def send(self, model: nn.Module, version: int) -> None:
+        name = adapter_name(version)
+        path = os.path.join(self.folder, name)
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        model.save_pretrained(path + ".tmp", save_embedding_layers=False)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(path + ".tmp", path)
+        self.client.load_lora_adapter(name, path)
+        self._loaded = [loaded for loaded in self._loaded if loaded != name] + [name]
+        while len(self._loaded) > 1:
+            self._forget(self._loaded.pop(0))
+
+    def _forget(self, name: str) -> None:
+        self.client.unload_lora_adapter(name)
+        shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+
+    def close(self) -> None:
+        """Unload every adapter sent and remove its folder (the server serves its base model again)."""
+        while self._loaded:
+            self._forget(self._loaded.pop())
 
 
 class NcclWeights:
