@@ -68,7 +68,7 @@ def sample(args: argparse.Namespace, model: torch.nn.Module, output_dir: str) ->
         tokenizer,
         sharded=False,
     )
-    generator.load_policy()
+    generator.load_policy(0)
     rows = arithmetic_dataset(num_train=args.prompts, num_test=1)["train"]
     texts = [
         rollout.render_prompt(tokenizer, [{"role": "user", "content": row["prompt"][-1]["content"] + ASK}])

@@ -105,7 +105,7 @@ def measure(side: str, args: argparse.Namespace, model: torch.nn.Module, output_
     syncs, speeds = [], []
     for version in range(args.rounds + 1):
         start = time.perf_counter()
-        generator.load_policy()
+        generator.load_policy(version)
         sync = time.perf_counter() - start
         generator.version = version
         start = time.perf_counter()

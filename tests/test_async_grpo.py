@@ -83,7 +83,11 @@ def test_async_grpo_config_has_trls_async_defaults(tmp_path):
     assert (
         config.use_vllm and config.vllm_mode == "server" and config.vllm_base_url == "http://localhost:8000"
     )
-    assert config.logging_steps == 1 and config.lr_scheduler_type == "constant"
+    assert (
+        config.logging_steps == 1
+        and config.lr_scheduler_type == "constant"
+        and config.num_completions_to_print == 3
+    )
     assert config.max_completion_length == 2048 and config.vllm_server_request_timeout == 30
     with pytest.raises(ValueError, match="max_staleness >= 1"):
         AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_staleness=0)

@@ -1,7 +1,8 @@
 """`AsyncGRPOConfig`: TRL 1.18's async GRPO configuration, so that a TRL async GRPO script runs with
 its import line changed. It is `GRPOConfig` with TRL's async defaults: async GRPO on
 (max_staleness=4), generation on a vLLM server at http://localhost:8000 (TRL's async trainer has no
-other mode), max_completion_length=2048, a log every step and a constant learning rate. Every
+other mode), max_completion_length=2048, a log every step, a constant learning rate and 3
+completions printed when log_completions is on. Every
 `GRPOConfig` setting is accepted too; `GRPOTrainer` and `AsyncGRPOTrainer` train with it alike.
 
 TRL's `request_timeout` is grpo-hf's `vllm_server_request_timeout`. `token_budget` (TRL's batching
@@ -35,6 +36,7 @@ class AsyncGRPOConfig(GRPOConfig):
     max_completion_length: int = field(default=2048, metadata=_help("max_completion_length"))
     logging_steps: float = field(default=1, metadata=_help("logging_steps"))
     lr_scheduler_type: str = field(default="constant", metadata=_help("lr_scheduler_type"))
+    num_completions_to_print: int | None = field(default=3, metadata=_help("num_completions_to_print"))
     request_timeout: float | None = field(
         default=None, metadata={"help": "TRL's name for vllm_server_request_timeout; sets it when given."}
     )
