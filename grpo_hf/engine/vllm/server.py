@@ -133,11 +133,12 @@ class ServerGenerator(Generator):
         return mode
 
     def close(self) -> None:
-        """Remove the last weight file, or unload the adapters sent (process 0's); the next call
-        sends the weights again."""
+        """Remove the last weight file (the server holds its weights), or unload the adapters sent
+        (process 0's); then the next call sends the adapter again."""
         if self.sender is not None:
             self.sender.close()
-        self.version = None
+        if self.adapters:
+            self.version = None
 
     def load_policy(self, version: int) -> None:
         model = self.policy()
