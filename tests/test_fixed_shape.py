@@ -280,6 +280,15 @@ def cheap_compile(monkeypatch):
     monkeypatch.setattr(decoding, "compiled_forward", lambda: compiled)
 
 
+def train_q_adapter(policy, copy: GenerationCopy) -> None:
+    """An 'optimizer step' on the policy's q_proj adapters, then the generation copy refreshed."""
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "q_proj.lora_B" in name:
+                param.add_(1.0)
+    copy.refresh()
+
+
 def test_the_compiled_step_is_the_static_step(cheap_compile, eager_graphs):
     """'llama_compiled' samples the same tokens as the static steps, round after round, and a LoRA
     policy's refreshed weights reach it (they are inputs of the compiled code, not constants)."""
@@ -288,11 +297,7 @@ def test_the_compiled_step_is_the_static_step(cheap_compile, eager_graphs):
     ids, mask = prompts()
     previous = None
     for seed in range(3):
-        with torch.no_grad():
-            for name, param in policy.named_parameters():
-                if "q_proj.lora_B" in name:
-                    param.add_(1.0)
-        copy.refresh()
+        train_q_adapter(policy, copy)
         rollouts = []
         for backend in ("llama_static", "llama_compiled"):
             torch.manual_seed(seed)
@@ -313,11 +318,7 @@ def test_the_compiled_step_replays_as_a_cuda_graph():
     copy = GenerationCopy(policy, torch.float32)
     ids, mask = prompts(device="cuda")
     for seed in range(3):
-        with torch.no_grad():
-            for name, param in policy.named_parameters():
-                if "q_proj.lora_B" in name:
-                    param.add_(1.0)
-        copy.refresh()
+        train_q_adapter(policy, copy)
         torch.manual_seed(seed)
         replayed = generate(copy.model, ids, mask, sampling(top_p=0.9), "llama_compiled")
         with pytest.MonkeyPatch.context() as patch:

@@ -347,15 +347,12 @@ def test_lora_weight_sync_refuses_what_vllm_cannot_serve(tmp_path, server):
             processing_class=TOKENIZER,
         )  # fmt: skip
     with pytest.raises(ValueError, match=r"modules_to_save=\['lm_head'\]"):
-        GRPOTrainer(
-            model=tiny_llama(),
-            reward_funcs=length_reward,
-            args=make_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url,
-                             vllm_server_timeout=5.0, vllm_weight_sync="lora"),
-            train_dataset=chat_dataset(),
-            processing_class=TOKENIZER,
+        server_trainer(
+            tmp_path,
+            server.url,
+            vllm_weight_sync="lora",
             peft_config=LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
-        )  # fmt: skip
+        )
     with pytest.raises(ValueError, match="vllm_weight_sync='lora'.*vllm_mode='server'"):
         make_config(tmp_path, use_vllm=True, vllm_mode="colocate", vllm_weight_sync="lora")
 
