@@ -177,3 +177,18 @@ def test_gpu_decode_bench_runs_end_to_end_with_tiny_settings(tmp_path):
     for line in lines.values():
         assert 2 <= line["tokens"] <= 8 and line["tokens_per_second"] > 0  # 2 rows, up to 4 tokens each
     assert "bench/gpu_decode.py" in report["command"] and "Reference: 2 rows x 4 new tokens" in done.stdout
+
+
+def test_learning_curve_reads_the_run_as_the_recipe_does(tmp_path):
+    curve = bench_module("learning_curve")
+    config = tmp_path / "run.yaml"
+    config.write_text("task: arithmetic\nnum_test: 50\nseed: 3\nlearning_rate: 1.0e-4\n")
+    settings = curve.run_settings(config, ["--seed", "7", "--beta", "0", "--eval_max_new_tokens", "16"])
+    # The recipe's default, the YAML's value, then the flag's; settings the evaluation does not need stay out.
+    assert settings == {**curve.SETTINGS, "num_test": 50, "seed": 7, "eval_max_new_tokens": 16}
+    for step in (100, 20, 5):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / "checkpoint-x").mkdir()
+    assert [step for step, _ in curve.checkpoints(tmp_path)] == [5, 20, 100]  # by number, not by name
+    with pytest.raises(SystemExit):
+        curve.parse_args(["--steps", "10", "--every", "20"])

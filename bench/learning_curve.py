@@ -1,0 +1,136 @@
+"""Held-out accuracy against training steps for `make train`'s recipe: still rising, or stopped?
+
+    python bench/learning_curve.py --steps 100 --every 20 [--name NAME] [--core N] [-- recipe flags]
+
+Runs `recipes/grpo.py` with its config (`make train`'s unless `--config`), a checkpoint every
+`--every` steps, the flags after `--` on top (any `GRPOConfig` or script setting, as on the
+recipe's command line); then greedy-evaluates every checkpoint's adapter on the task's held-out
+split as the recipe does at the end. Prints step and accuracy and writes
+`bench/results/learning_curve-<name>.json`. `--core N` pins the run to CPU core N with one thread,
+so that two runs share a 2-core machine without their threads fighting: for accuracy, not timing
+(one thread changes the sums' order, so such a run samples other completions than `make train`).
+`--score-only` scores an earlier run's checkpoints again (same `--name`, flags and `--output-root`).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from peft import PeftModel
+
+from grpo_hf.evaluation import greedy_accuracy
+from grpo_hf.models.loading import DEFAULT_MODEL, load_model, load_tokenizer
+from grpo_hf.tasks import TASKS
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIG = ROOT / "recipes" / "configs" / "smollm2_lora_arithmetic.yaml"
+# What the evaluation needs to know of the run, with the recipe's defaults.
+SETTINGS = {"model_name_or_path": DEFAULT_MODEL, "task": "arithmetic", "num_train": 2000, "num_test": 200,
+            "seed": 0, "eval_max_new_tokens": 32}  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100, help="max_steps of the run")
+    parser.add_argument(
+        "--every", type=int, default=20, help="a checkpoint (and an evaluation) every N steps"
+    )
+    parser.add_argument("--config", type=Path, default=CONFIG, help="the recipe's YAML config")
+    parser.add_argument("--name", default="default", help="names the output folder and the results file")
+    parser.add_argument("--core", type=int, default=None, help="pin to this core, one thread")
+    parser.add_argument("--output-root", type=Path, default=ROOT / "outputs" / "learning_curve")
+    parser.add_argument(
+        "--score-only",
+        action="store_true",
+        help="score the checkpoints of an earlier run of this name, no training",
+    )
+    parser.add_argument("recipe_flags", nargs="*", help="after --: flags for recipes/grpo.py")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or not 1 <= args.every <= args.steps:
+        parser.error(f"--steps {args.steps} and --every {args.every}: need 1 <= every <= steps.")
+    return args
+
+
+def run_settings(config: Path, flags: list[str]) -> dict:
+    """SETTINGS as the run sees them: the recipe's default, the YAML's value, then a `--key value` flag's
+    (the `--key=value` form is not read)."""
+    settings = {**SETTINGS, **{k: v for k, v in yaml.safe_load(config.read_text()).items() if k in SETTINGS}}
+    for flag, value in zip(flags, flags[1:], strict=False):
+        key = flag.removeprefix("--")
+        if flag.startswith("--") and key in SETTINGS:
+            settings[key] = type(SETTINGS[key])(value)
+    return settings
+
+
+def train(args: argparse.Namespace, output_dir: Path) -> float:
+    """The recipe with checkpoints every `args.every` steps; returns its wall-clock seconds."""
+    launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+                str(ROOT / "recipes" / "accelerate" / "cpu.yaml")]  # fmt: skip
+    command = [*launcher, str(ROOT / "recipes" / "grpo.py"), "--config", str(args.config),
+               "--output_dir", str(output_dir), "--max_steps", str(args.steps), "--save_steps", str(args.every),
+               "--save_strategy", "steps", "--save_total_limit", str(args.steps // args.every + 1),
+               "--report_to", "none", *args.recipe_flags]  # fmt: skip
+    env = dict(os.environ, WANDB_MODE="disabled")
+    if args.core is not None:
+        command = ["taskset", "-c", str(args.core), *command]
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    start = time.perf_counter()
+    subprocess.run(command, cwd=ROOT, env=env, check=True)
+    return time.perf_counter() - start
+
+
+def checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    found = [(int(p.name.split("-")[1]), p) for p in output_dir.glob("checkpoint-*") if p.name[11:].isdigit()]
+    return sorted(found)
+
+
+def checkpoint_model(base: str, path: Path):
+    """A LoRA checkpoint's adapter on its base model, or a full fine-tuning checkpoint's weights."""
+    if (path / "adapter_config.json").exists():
+        return PeftModel.from_pretrained(load_model(base), path).eval()
+    return load_model(str(path)).eval()
+
+
+def evaluate(settings: dict, output_dir: Path) -> list[dict]:
+    """Greedy held-out accuracy of each checkpoint, as recipes/grpo.py scores the final one."""
+    task = TASKS[settings["task"]]
+    data = task.build(num_train=settings["num_train"], num_test=settings["num_test"], seed=settings["seed"])
+    tokenizer = load_tokenizer(settings["model_name_or_path"])
+    curve = []
+    for step, path in checkpoints(output_dir):
+        model = checkpoint_model(settings["model_name_or_path"], path)
+        result = greedy_accuracy(
+            model, tokenizer, data["test"], task.accuracy, max_new_tokens=settings["eval_max_new_tokens"]
+        )
+        curve.append({"step": step, "accuracy": result.accuracy})
+        print(f"step {step:4d}: held-out greedy accuracy {result.accuracy:.1%}", flush=True)
+    return curve
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    output_dir = args.output_root / args.name
+    settings = run_settings(args.config, args.recipe_flags)
+    seconds = None if args.score_only else round(train(args, output_dir), 1)
+    if args.core is not None:
+        os.sched_setaffinity(0, {args.core})
+        torch.set_num_threads(1)
+    curve = evaluate(settings, output_dir)
+    before = json.loads((output_dir / "results.json").read_text())["accuracy_before"]
+    report = {"name": args.name, "config": str(args.config.relative_to(ROOT)), "flags": args.recipe_flags,
+              "steps": args.steps, "core": args.core, "recipe_seconds": seconds,
+              "accuracy_before": before, "curve": curve}  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"learning_curve-{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "curve"}))
+
+
+if __name__ == "__main__":
+    main()
