@@ -4,8 +4,8 @@
 
 Runs `recipes/grpo.py` with its config (`make train`'s unless `--config`), a checkpoint every
 `--every` steps, the flags after `--` on top (any `GRPOConfig` or script setting, as on the
-recipe's command line); then greedy-evaluates every checkpoint's adapter on the task's held-out
-split as the recipe does at the end. Prints step and accuracy and writes
+recipe's command line); then scores every checkpoint on the task's held-out split with the recipe's
+own evaluation (its settings parsed by the recipe's parser). Prints step and accuracy and writes
 `bench/results/learning_curve-<name>.json`. `--core N` pins the run to CPU core N with one thread,
 so that two runs share a 2-core machine without their threads fighting: for accuracy, not timing
 (one thread changes the sums' order, so such a run samples other completions than `make train`).
@@ -13,6 +13,7 @@ so that two runs share a 2-core machine without their threads fighting: for accu
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,19 +22,24 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from peft import PeftModel
 
-from grpo_hf.evaluation import greedy_accuracy
-from grpo_hf.models.loading import DEFAULT_MODEL, load_model, load_tokenizer
+from grpo_hf.models.loading import load_model, load_tokenizer
+from grpo_hf.models.policy import model_init_kwargs, tokenizer_init_kwargs
 from grpo_hf.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
+RECIPE = ROOT / "recipes" / "grpo.py"
 CONFIG = ROOT / "recipes" / "configs" / "smollm2_lora_arithmetic.yaml"
-# What the evaluation needs to know of the run, with the recipe's defaults.
-SETTINGS = {"model_name_or_path": DEFAULT_MODEL, "task": "arithmetic", "num_train": 2000, "num_test": 200,
-            "seed": 0, "eval_max_new_tokens": 32}  # fmt: skip
+
+
+def load_recipe():
+    """recipes/grpo.py as a module (recipes/ holds scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("grpo_recipe", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    return recipe
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,25 +64,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_settings(config: Path, flags: list[str]) -> dict:
-    """SETTINGS as the run sees them: the recipe's default, the YAML's value, then a `--key value` flag's
-    (the `--key=value` form is not read)."""
-    settings = {**SETTINGS, **{k: v for k, v in yaml.safe_load(config.read_text()).items() if k in SETTINGS}}
-    for flag, value in zip(flags, flags[1:], strict=False):
-        key = flag.removeprefix("--")
-        if flag.startswith("--") and key in SETTINGS:
-            settings[key] = type(SETTINGS[key])(value)
-    return settings
+def recipe_args(args: argparse.Namespace, output_dir: Path) -> list[str]:
+    """The recipe's command line: the config, a checkpoint every `args.every` steps, the user's flags last."""
+    return ["--config", str(args.config), "--output_dir", str(output_dir), "--max_steps", str(args.steps),
+            "--save_steps", str(args.every), "--save_strategy", "steps",
+            "--save_total_limit", str(args.steps // args.every + 1), "--report_to", "none",
+            *args.recipe_flags]  # fmt: skip
 
 
 def train(args: argparse.Namespace, output_dir: Path) -> float:
-    """The recipe with checkpoints every `args.every` steps; returns its wall-clock seconds."""
+    """The recipe, launched as `make train` launches it; returns its wall-clock seconds."""
     launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
                 str(ROOT / "recipes" / "accelerate" / "cpu.yaml")]  # fmt: skip
-    command = [*launcher, str(ROOT / "recipes" / "grpo.py"), "--config", str(args.config),
-               "--output_dir", str(output_dir), "--max_steps", str(args.steps), "--save_steps", str(args.every),
-               "--save_strategy", "steps", "--save_total_limit", str(args.steps // args.every + 1),
-               "--report_to", "none", *args.recipe_flags]  # fmt: skip
+    command = [*launcher, str(RECIPE), *recipe_args(args, output_dir)]
     env = dict(os.environ, WANDB_MODE="disabled")
     if args.core is not None:
         command = ["taskset", "-c", str(args.core), *command]
@@ -91,38 +91,39 @@ def checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def checkpoint_model(base: str, path: Path):
+def checkpoint_model(model_args, config, path: Path):
     """A LoRA checkpoint's adapter on its base model, or a full fine-tuning checkpoint's weights."""
     if (path / "adapter_config.json").exists():
-        return PeftModel.from_pretrained(load_model(base), path).eval()
-    return load_model(str(path)).eval()
+        base = load_model(model_args.model_name_or_path, **model_init_kwargs(config))
+        return PeftModel.from_pretrained(base, path).eval()
+    return load_model(str(path), **model_init_kwargs(config)).eval()
 
 
-def evaluate(settings: dict, output_dir: Path) -> list[dict]:
-    """Greedy held-out accuracy of each checkpoint, as recipes/grpo.py scores the final one."""
-    task = TASKS[settings["task"]]
-    data = task.build(num_train=settings["num_train"], num_test=settings["num_test"], seed=settings["seed"])
-    tokenizer = load_tokenizer(settings["model_name_or_path"])
+def evaluate(recipe, settings: tuple, output_dir: Path) -> list[dict]:
+    """Each checkpoint scored by the recipe's own evaluation, as it scores the final model."""
+    script, model_args, config = settings
+    task = TASKS[script.task]
+    data = task.build(num_train=script.num_train, num_test=script.num_test, seed=config.seed)
+    tokenizer = load_tokenizer(model_args.model_name_or_path, **tokenizer_init_kwargs(config))
     curve = []
     for step, path in checkpoints(output_dir):
-        model = checkpoint_model(settings["model_name_or_path"], path)
-        result = greedy_accuracy(
-            model, tokenizer, data["test"], task.accuracy, max_new_tokens=settings["eval_max_new_tokens"]
-        )
-        curve.append({"step": step, "accuracy": result.accuracy})
-        print(f"step {step:4d}: held-out greedy accuracy {result.accuracy:.1%}", flush=True)
+        model = checkpoint_model(model_args, config, path)
+        accuracy = recipe.evaluate(model, tokenizer, data["test"], task, script, config)["accuracy"]
+        curve.append({"step": step, "accuracy": accuracy})
+        print(f"step {step:4d}: held-out greedy accuracy {accuracy:.1%}", flush=True)
     return curve
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     output_dir = args.output_root / args.name
-    settings = run_settings(args.config, args.recipe_flags)
+    recipe = load_recipe()
+    settings = recipe.parse(recipe_args(args, output_dir))  # before training: a bad flag fails at once
     seconds = None if args.score_only else round(train(args, output_dir), 1)
     if args.core is not None:
         os.sched_setaffinity(0, {args.core})
         torch.set_num_threads(1)
-    curve = evaluate(settings, output_dir)
+    curve = evaluate(recipe, settings, output_dir)
     before = json.loads((output_dir / "results.json").read_text())["accuracy_before"]
     report = {"name": args.name, "config": str(args.config.relative_to(ROOT)), "flags": args.recipe_flags,
               "steps": args.steps, "core": args.core, "recipe_seconds": seconds,

@@ -71,9 +71,14 @@ def evaluate(model, tokenizer, dataset, task, script: ScriptArguments, args: GRP
     }
 
 
+def parse(args: list[str] | None = None) -> tuple[ScriptArguments, ModelArguments, GRPOConfig]:
+    """The settings of a run: YAML defaults from --config (and its env: section), overridden by flags
+    on the command line (`args`, else sys.argv)."""
+    return TrlParser((ScriptArguments, ModelArguments, GRPOConfig)).parse_args_and_config(args)
+
+
 def main() -> None:
-    # YAML defaults from --config (and its env: section), overridden by flags on the command line.
-    train_and_report(*TrlParser((ScriptArguments, ModelArguments, GRPOConfig)).parse_args_and_config())
+    train_and_report(*parse())
     # Left to interpreter exit, the process group's threads can abort a finished run (SIGABRT).
     PartialState().destroy_process_group()
 

@@ -182,10 +182,19 @@ def test_gpu_decode_bench_runs_end_to_end_with_tiny_settings(tmp_path):
 def test_learning_curve_reads_the_run_as_the_recipe_does(tmp_path):
     curve = bench_module("learning_curve")
     config = tmp_path / "run.yaml"
-    config.write_text("task: arithmetic\nnum_test: 50\nseed: 3\nlearning_rate: 1.0e-4\n")
-    settings = curve.run_settings(config, ["--seed", "7", "--beta", "0", "--eval_max_new_tokens", "16"])
-    # The recipe's default, the YAML's value, then the flag's; settings the evaluation does not need stay out.
-    assert settings == {**curve.SETTINGS, "num_test": 50, "seed": 7, "eval_max_new_tokens": 16}
+    config.write_text("task: arithmetic\nnum_test: 50\nseed: 3\nlearning_rate: 1.0e-4\nuse_cpu: true\n")
+    args = curve.parse_args(["--steps", "30", "--every", "10", "--config", str(config), "--",
+                             "--seed", "7", "--beta", "0", "--eval_max_new_tokens", "16"])  # fmt: skip
+    script, model_args, run = curve.load_recipe().parse(curve.recipe_args(args, tmp_path / "run"))
+    # The recipe's parser: its defaults, the YAML's values, then the flags, which come last.
+    assert (script.task, script.num_test, script.num_train, script.eval_max_new_tokens) == (
+        "arithmetic",
+        50,
+        2000,
+        16,
+    )
+    assert (run.seed, run.beta, run.learning_rate) == (7, 0.0, 1.0e-4)
+    assert (run.max_steps, run.save_steps, run.save_total_limit) == (30, 10, 4)  # every checkpoint kept
     for step in (100, 20, 5):
         (tmp_path / f"checkpoint-{step}").mkdir()
     (tmp_path / "checkpoint-x").mkdir()
