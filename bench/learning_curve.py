@@ -1,6 +1,6 @@
 """Held-out accuracy against training steps for `make train`'s recipe: still rising, or stopped?
 
-    python bench/learning_curve.py --steps 100 --every 20 [--name NAME] [--core N] [-- recipe flags]
+    python bench/learning_curve.py --steps 100 --every 20 [--name NAME] [--core N] [--trainer trl] [-- recipe flags]
 
 Runs `recipes/grpo.py` with its config (`make train`'s unless `--config`), a checkpoint every
 `--every` steps, the flags after `--` on top (any `GRPOConfig` or script setting, as on the
@@ -10,6 +10,8 @@ own evaluation (its settings parsed by the recipe's parser). Prints step and acc
 so that two runs share a 2-core machine without their threads fighting: for accuracy, not timing
 (one thread changes the sums' order, so such a run samples other completions than `make train`).
 `--score-only` scores an earlier run's checkpoints again (same `--name`, flags and `--output-root`).
+`--trainer trl` trains with TRL's GRPOTrainer instead (`bench/trl_recipe.py`: the same settings,
+model, data and rewards; one process), scored the same way: is a plateau the model's or ours?
 """
 
 import argparse
@@ -31,6 +33,7 @@ from grpo_hf.tasks import TASKS
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 RECIPE = ROOT / "recipes" / "grpo.py"
+TRL_RECIPE = Path(__file__).resolve().parent / "trl_recipe.py"
 CONFIG = ROOT / "recipes" / "configs" / "smollm2_lora_arithmetic.yaml"
 
 
@@ -51,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, default=CONFIG, help="the recipe's YAML config")
     parser.add_argument("--name", default="default", help="names the output folder and the results file")
     parser.add_argument("--core", type=int, default=None, help="pin to this core, one thread")
+    parser.add_argument(
+        "--trainer", choices=("ours", "trl"), default="ours", help="whose GRPOTrainer trains (trl: needs TRL)"
+    )
     parser.add_argument("--output-root", type=Path, default=ROOT / "outputs" / "learning_curve")
     parser.add_argument(
         "--score-only",
@@ -73,10 +79,13 @@ def recipe_args(args: argparse.Namespace, output_dir: Path) -> list[str]:
 
 
 def train(args: argparse.Namespace, output_dir: Path) -> float:
-    """The recipe, launched as `make train` launches it; returns its wall-clock seconds."""
-    launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-                str(ROOT / "recipes" / "accelerate" / "cpu.yaml")]  # fmt: skip
-    command = [*launcher, str(RECIPE), *recipe_args(args, output_dir)]
+    """The recipe, launched as `make train` launches it (or TRL's side); returns its wall-clock seconds."""
+    if args.trainer == "trl":
+        command = [sys.executable, str(TRL_RECIPE), *recipe_args(args, output_dir)]
+    else:
+        launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+                    str(ROOT / "recipes" / "accelerate" / "cpu.yaml")]  # fmt: skip
+        command = [*launcher, str(RECIPE), *recipe_args(args, output_dir)]
     env = dict(os.environ, WANDB_MODE="disabled")
     if args.core is not None:
         command = ["taskset", "-c", str(args.core), *command]
@@ -124,9 +133,10 @@ def main(argv=None) -> None:
         os.sched_setaffinity(0, {args.core})
         torch.set_num_threads(1)
     curve = evaluate(recipe, settings, output_dir)
-    before = json.loads((output_dir / "results.json").read_text())["accuracy_before"]
-    report = {"name": args.name, "config": str(args.config.relative_to(ROOT)), "flags": args.recipe_flags,
-              "steps": args.steps, "core": args.core, "recipe_seconds": seconds,
+    results = output_dir / "results.json"  # the recipe's; TRL's side evaluates nothing before training
+    before = json.loads(results.read_text())["accuracy_before"] if results.exists() else None
+    report = {"name": args.name, "trainer": args.trainer, "config": str(args.config.relative_to(ROOT)),
+              "flags": args.recipe_flags, "steps": args.steps, "core": args.core, "recipe_seconds": seconds,
               "accuracy_before": before, "curve": curve}  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"learning_curve-{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -71,6 +71,19 @@ def evaluate(model, tokenizer, dataset, task, script: ScriptArguments, args: GRP
     }
 
 
+def lora_config(model_args: ModelArguments) -> LoraConfig | None:
+    """The LoRA adapter the settings ask for; None for full fine-tuning."""
+    if not model_args.use_peft:
+        return None
+    return LoraConfig(
+        r=model_args.lora_r,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        target_modules=model_args.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
+
+
 def parse(args: list[str] | None = None) -> tuple[ScriptArguments, ModelArguments, GRPOConfig]:
     """The settings of a run: YAML defaults from --config (and its env: section), overridden by flags
     on the command line (`args`, else sys.argv)."""
@@ -99,15 +112,7 @@ def train_and_report(script: ScriptArguments, model_args: ModelArguments, args: 
     model = load_model(
         model_args.model_name_or_path, **model_init_kwargs(args)
     )  # as GRPOTrainer loads by name
-    peft_config = None
-    if model_args.use_peft:
-        peft_config = LoraConfig(
-            r=model_args.lora_r,
-            lora_alpha=model_args.lora_alpha,
-            lora_dropout=model_args.lora_dropout,
-            target_modules=model_args.lora_target_modules,
-            task_type="CAUSAL_LM",
-        )
+    peft_config = lora_config(model_args)
     with unsharded_for_generation(model):  # ZeRO-3 partitions models as they load
         before = (
             evaluate(model, tokenizer, data["test"], task, script, args) if state.is_main_process else None

@@ -1,0 +1,69 @@
+"""`make train`'s recipe trained by TRL's GRPOTrainer instead of ours: same settings, model, data, rewards.
+
+    python bench/trl_recipe.py --config recipes/configs/smollm2_lora_arithmetic.yaml [--any_setting value ...]
+
+The run is read with the recipe's own parser (recipes/grpo.py). TRL's GRPOConfig gets every setting
+the run changed from our GRPOConfig's defaults that TRL's config also has, and the precision ours
+resolved (`bf16`); TRL's trainer gets the recipe's LoRA, the task's train split, reward functions
+and tools, and the same model folder. The settings TRL has no field for are printed: they do not
+reach TRL. Trains and saves (checkpoints as the settings say); no evaluation here:
+`bench/learning_curve.py --trainer trl` runs this and scores the checkpoints as it scores ours.
+Needs TRL (`pip install -e ".[bench]"`).
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from learning_curve import load_recipe  # noqa: E402  (bench/learning_curve.py, beside this file)
+
+from grpo_hf import GRPOConfig  # noqa: E402
+from grpo_hf.models.loading import resolve_model_path  # noqa: E402
+from grpo_hf.tasks import TASKS  # noqa: E402
+
+# Ours derives these from other settings; TRL derives them the same way from what it is given
+# (it refuses generation_batch_size beside steps_per_generation).
+DERIVED = {"generation_batch_size", "activation_checkpointing", "dataloader_pin_memory"}
+
+
+def trl_settings(config: GRPOConfig, trl_fields: set[str]) -> tuple[dict, list[str]]:
+    """(what to give TRL's GRPOConfig, the changed settings TRL has no field for)."""
+    defaults = type(config)(output_dir=config.output_dir)
+    changed = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.init and f.name not in DERIVED and getattr(config, f.name) != getattr(defaults, f.name)
+    }
+    given = {name: value for name, value in changed.items() if name in trl_fields}
+    given["output_dir"] = config.output_dir
+    given["bf16"] = config.bf16  # what precision (ours only) resolved to; TRL's default differs
+    return given, sorted(set(changed) - trl_fields - {"precision"})
+
+
+def main(argv: list[str] | None = None) -> None:
+    from trl import GRPOConfig as TrlGRPOConfig
+    from trl import GRPOTrainer as TrlGRPOTrainer
+
+    recipe = load_recipe()
+    script, model_args, config = recipe.parse(argv)
+    trl_fields = {f.name for f in dataclasses.fields(TrlGRPOConfig) if f.init}
+    given, missing = trl_settings(config, trl_fields)
+    print(f"TRL gets: {given}\nTRL has no field for (not applied): {missing}", flush=True)
+    task = TASKS[script.task]
+    data = task.build(num_train=script.num_train, num_test=script.num_test, seed=config.seed)
+    tools = {"tools": task.tools} if task.tools else {}
+    trainer = TrlGRPOTrainer(
+        model=resolve_model_path(model_args.model_name_or_path),
+        reward_funcs=task.rewards,
+        args=TrlGRPOConfig(**given),
+        train_dataset=data["train"],
+        peft_config=recipe.lora_config(model_args),
+        **tools,
+    )
+    trainer.train()
+    trainer.save_model(config.output_dir)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
