@@ -28,7 +28,6 @@ from peft import PeftModel
 
 from grpo_hf.models.loading import load_model, load_tokenizer
 from grpo_hf.models.policy import model_init_kwargs, tokenizer_init_kwargs
-from grpo_hf.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -111,8 +110,7 @@ def checkpoint_model(model_args, config, path: Path):
 def evaluate(recipe, settings: tuple, output_dir: Path) -> list[dict]:
     """Each checkpoint scored by the recipe's own evaluation, as it scores the final model."""
     script, model_args, config = settings
-    task = TASKS[script.task]
-    data = task.build(num_train=script.num_train, num_test=script.num_test, seed=config.seed)
+    task, data = recipe.task_data(script, config)
     tokenizer = load_tokenizer(model_args.model_name_or_path, **tokenizer_init_kwargs(config))
     curve = []
     for step, path in checkpoints(output_dir):

@@ -20,7 +20,6 @@ from learning_curve import load_recipe  # noqa: E402  (bench/learning_curve.py, 
 
 from grpo_hf import GRPOConfig  # noqa: E402
 from grpo_hf.models.loading import resolve_model_path  # noqa: E402
-from grpo_hf.tasks import TASKS  # noqa: E402
 
 # Ours derives these from other settings; TRL derives them the same way from what it is given
 # (it refuses generation_batch_size beside steps_per_generation).
@@ -50,8 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     trl_fields = {f.name for f in dataclasses.fields(TrlGRPOConfig) if f.init}
     given, missing = trl_settings(config, trl_fields)
     print(f"TRL gets: {given}\nTRL has no field for (not applied): {missing}", flush=True)
-    task = TASKS[script.task]
-    data = task.build(num_train=script.num_train, num_test=script.num_test, seed=config.seed)
+    task, data = recipe.task_data(script, config)
     tools = {"tools": task.tools} if task.tools else {}
     trainer = TrlGRPOTrainer(
         model=resolve_model_path(model_args.model_name_or_path),

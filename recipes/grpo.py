@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType
+from datasets import DatasetDict
 from peft import LoraConfig
 
 from grpo_hf import GRPOConfig, GRPOTrainer, TrlParser
@@ -23,7 +24,7 @@ from grpo_hf.models.loading import DEFAULT_MODEL, load_model, load_tokenizer
 from grpo_hf.models.policy import model_init_kwargs, tokenizer_init_kwargs
 from grpo_hf.models.sharding import unsharded_for_generation
 from grpo_hf.plotting import plot_training
-from grpo_hf.tasks import TASKS
+from grpo_hf.tasks import TASKS, Task
 
 
 @dataclass
@@ -71,6 +72,14 @@ def evaluate(model, tokenizer, dataset, task, script: ScriptArguments, args: GRP
     }
 
 
+def task_data(script: ScriptArguments, args: GRPOConfig) -> tuple[Task, DatasetDict]:
+    """The task the settings name, and its train and held-out splits as every run draws them."""
+    if script.task not in TASKS:
+        raise ValueError(f"task={script.task!r} is not one of {sorted(TASKS)}.")
+    task = TASKS[script.task]
+    return task, task.build(num_train=script.num_train, num_test=script.num_test, seed=args.seed)
+
+
 def lora_config(model_args: ModelArguments) -> LoraConfig | None:
     """The LoRA adapter the settings ask for; None for full fine-tuning."""
     if not model_args.use_peft:
@@ -98,16 +107,13 @@ def main() -> None:
 
 def train_and_report(script: ScriptArguments, model_args: ModelArguments, args: GRPOConfig) -> None:
     """Evaluate, train, save; then, on the main process, evaluate again, plot and report."""
-    if script.task not in TASKS:
-        raise ValueError(f"task={script.task!r} is not one of {sorted(TASKS)}.")
-    task = TASKS[script.task]
+    task, data = task_data(script, args)
     state = PartialState()
     if script.merge_adapter and state.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise ValueError(
             "merge_adapter needs the whole model in one process; under FSDP or DeepSpeed, train without it and "
             "merge the saved adapter afterwards (PeftModel.from_pretrained(base, output_dir).merge_and_unload())."
         )
-    data = task.build(num_train=script.num_train, num_test=script.num_test, seed=args.seed)
     tokenizer = load_tokenizer(model_args.model_name_or_path, **tokenizer_init_kwargs(args))
     model = load_model(
         model_args.model_name_or_path, **model_init_kwargs(args)
