@@ -32,10 +32,14 @@ train: install
 # The other kind of CPU than this one, for the tests marked cpu_kind (their path depends on native bf16):
 # 1 (as with AVX-512-BF16; emulated here if the CPU lacks it) on an AVX2-only CPU, 0 (as AVX2) elsewhere.
 OTHER_CPU_KIND = $(BIN)/python -c "from grpo_hf.engine.cpu import native_bf16; print(int(not native_bf16()))"
+# The main suite runs in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so
+# its module fixtures run once), one OpenMP thread each: most of its time is subprocesses importing
+# the stack on one core, and two processes of two threads each on 2 cores would fight for them.
+TEST_WORKERS ?= 2
 
 test: install
 	$(BIN)/ruff check grpo_hf recipes tests tests_vllm bench
-	$(BIN)/pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 	GRPO_HF_CPU_BF16=$$($(OTHER_CPU_KIND)) $(BIN)/pytest -q -m cpu_kind tests
 	$(MAKE) test-vllm
 
