@@ -14,6 +14,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from test_decoding import llama_with_rope_scaling
 from tiny_models import tiny_llama
+from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import GenerationConfig
 
 from grpo_hf import GRPOConfig
@@ -273,11 +274,14 @@ def test_cuda_graph_replay_equals_the_eager_steps(dtype, knobs, monkeypatch):
 
 
 @pytest.fixture
-def cheap_compile(monkeypatch):
+def cheap_compile(monkeypatch) -> CompileCounterWithBackend:
     """`compiled_forward` traced by dynamo and AOTAutograd as on a GPU, the kernels left to eager
-    ops (inductor's C++ build of even the tiny model takes ~25 s on a CPU)."""
-    compiled = torch.compile(StaticLlamaDecoder.eager_forward, backend="aot_eager", dynamic=False)
+    ops (inductor's C++ build of even the tiny model takes ~25 s on a CPU); counts compilations."""
+    torch._dynamo.reset()  # nothing compiled by an earlier test is reused
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = decoding.compile_step(counter)
     monkeypatch.setattr(decoding, "compiled_forward", lambda: compiled)
+    return counter
 
 
 def train_q_adapter(policy, copy: GenerationCopy) -> None:
@@ -310,14 +314,31 @@ def test_the_compiled_step_is_the_static_step(cheap_compile, eager_graphs):
     assert decoder_for(copy.model, 3, "llama_compiled").compiled
 
 
+def test_new_prompt_buckets_reuse_the_compiled_step(cheap_compile, eager_graphs):
+    """Four prompt-width buckets (16 to 128 columns) and back: two compilations (the first bucket's
+    static shapes, then the cache width symbolic), each bucket its own capture, and the compiled
+    step samples the static step's tokens in every one."""
+    model = tiny_llama().eval()
+    for width in (7, 20, 40, 70, 9):
+        rollouts = []
+        for backend in ("llama_static", "llama_compiled"):
+            torch.manual_seed(width)
+            rollouts.append(generate(model, *prompts(width), sampling(top_p=0.9), backend))
+        assert_same_rollout(rollouts[1], rollouts[0])
+    assert cheap_compile.frame_count == 2  # static shapes would compile once per bucket: 4
+    # a capture per backend and bucket; the 16-column state was dropped (MAX_STATES) before its return
+    assert eager_graphs.captures == 2 * 4 + 2
+
+
 @pytest.mark.cuda
 def test_the_compiled_step_replays_as_a_cuda_graph():
     """Inductor's kernels captured as the step's CUDA graph: the tokens and log-probs of the
-    uncompiled steps run eagerly, round after round, with refreshed LoRA weights."""
+    uncompiled steps run eagerly, round after round, with refreshed LoRA weights, in three prompt
+    buckets (from the second on, the compiled code has the cache width symbolic: `compile_step`)."""
     policy = lora_policy().to("cuda")
     copy = GenerationCopy(policy, torch.float32)
-    ids, mask = prompts(device="cuda")
-    for seed in range(3):
+    for seed, width in enumerate((7, 20, 7, 40)):
+        ids, mask = prompts(width, device="cuda")
         train_q_adapter(policy, copy)
         torch.manual_seed(seed)
         replayed = generate(copy.model, ids, mask, sampling(top_p=0.9), "llama_compiled")

@@ -371,15 +371,23 @@ class StaticLlamaDecoder(LlamaDecoder):
         return tuple(w.data_ptr() for w in (self.embed, self.final_norm, *norms, *self.weights))
 
 
+def compile_step(backend: str | Callable = "inductor") -> Callable:
+    """`StaticLlamaDecoder.eager_forward` through `torch.compile`: RMSNorm, RoPE, the cache writes and
+    SwiGLU become a few fused kernels instead of ~35 per layer, which is what a CUDA-graph step of a
+    small model is made of. It compiles at a bucket's first step (before the capture; tens of
+    seconds) and the graph then replays the fused kernels. The decoder's tensors are inputs of the
+    compiled code, not constants: new weights and caches reach it without compiling again.
+    Shapes: the first bucket's are static; at a second bucket dynamo compiles once more with the
+    dimensions that changed (rows, cache columns) symbolic (its automatic dynamic shapes), and later
+    buckets reuse that code: two compilations in a run, not one per bucket (past dynamo's recompile
+    limit, 8, a step would also run uncompiled)."""
+    return torch.compile(StaticLlamaDecoder.eager_forward, backend=backend, dynamic=None)
+
+
 @functools.cache
 def compiled_forward() -> Callable:
-    """`StaticLlamaDecoder.eager_forward` through `torch.compile` (inductor, static shapes), made once
-    per process: RMSNorm, RoPE, the cache writes and SwiGLU become a few fused kernels instead of
-    ~35 per layer, which is what a CUDA-graph step of a small model is made of. It compiles at the
-    first step of each bucket (before the capture; tens of seconds), and the graph then replays the
-    fused kernels. The decoder's tensors are inputs of the compiled code, not constants: new weights
-    and caches reach it without compiling again."""
-    return torch.compile(StaticLlamaDecoder.eager_forward, dynamic=False)
+    """`compile_step` with inductor, made once per process."""
+    return compile_step()
 
 
 DECODERS = ("auto", "llama", "llama_static", "llama_compiled", "transformers")
