@@ -11,8 +11,9 @@ tokenizer; default the embedded SmolLM2-135M-Instruct's) with random weights, as
 ../shared/gpu/make_models.py builds them: 'smol' as it is, 'llama1b' with Llama-3.2-1B's body.
 Random weights almost never sample EOS, so completions run to the limit. The workloads are the
 issue's table: G = 8, LoRA r=16 on q/k/v/o (full fine-tuning for 'full'), bf16 where the GPU has
-it, float32 elsewhere. Each (workload, side) trains `--steps` optimizer steps in a subprocess of its
-own, with `bench/worker.py`'s trainer and arithmetic prompts: s/step is the median over the steps
+it, float32 elsewhere; all of a step's completions in one micro-batch and gradient checkpointing
+off on both sides (TRL's default turns it on: `--gradient-checkpointing` turns it on for both).
+Each (workload, side) trains `--steps` optimizer steps in a subprocess of its own, with `bench/worker.py`'s trainer and arithmetic prompts: s/step is the median over the steps
 after the first; tokens/s ours' logged generation/tokens_per_second, TRL's completion tokens over
 its own generate timer; peak memory the last step's `torch.cuda.max_memory_allocated` (on a CPU
 the worker's peak RSS). The reference process generates `--reference-rows` x `--reference-tokens`
@@ -86,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="Ours: GRPOConfig.generation_backend ('auto': on a GPU the compiled fixed-shape decoder).",
     )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="Both sides train with gradient checkpointing (TRL's default; off by default here).",
+    )
     parser.add_argument("--reference-rows", type=int, default=64)
     parser.add_argument("--reference-tokens", type=int, default=256)
     parser.add_argument("--no-reference", action="store_true", help="Skip the reference generate lines.")
@@ -129,7 +135,9 @@ def train(spec: dict) -> dict:
         num_generations=generations, prompts_per_step=prompts, max_completion_length=length, beta=0.04,
         learning_rate=1e-4, steps=spec["steps"], seed=0, precision=precision(), side=spec["side"], vllm=False,
     )  # fmt: skip
-    overrides = {"generation_backend": spec["generation_backend"]} if spec["side"] == "ours" else {}
+    overrides = {"gradient_checkpointing": spec["gradient_checkpointing"]}
+    if spec["side"] == "ours":
+        overrides["generation_backend"] = spec["generation_backend"]
     tokenizer = AutoTokenizer.from_pretrained(spec["config"])
     with tempfile.TemporaryDirectory(prefix=f"gpu-decode-{spec['side']}-") as output_dir:
         model = random_model(spec["config"], shape)
@@ -150,6 +158,7 @@ def train(spec: dict) -> dict:
     return {
         "side": spec["side"],
         "precision": settings.precision,
+        "gradient_checkpointing": trainer.args.gradient_checkpointing,
         "step_seconds": timer.seconds,
         "median_step_seconds": statistics.median(timer.seconds[1:]),
         "median_tokens_per_second": statistics.median(tps[1:]),
@@ -236,6 +245,7 @@ def print_report(report: dict) -> None:
           f"{'TRL tok/s':>9} {'peak GiB ours / TRL':>19}")  # fmt: skip
     if report["device"] == "cpu":
         print("(no GPU: peak is each worker's RSS)")
+    print(f"gradient checkpointing: {'on' if report['gradient_checkpointing'] else 'off'} (both sides)")
     for name, sides in report["workloads"].items():
         ours, trl = sides.get("ours", {}), sides.get("trl", {})
         ratio = (
@@ -279,12 +289,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     if skipped:
         print("TRL is not installed: its side is skipped (pip install -e '.[bench]', or make bench-gpu).")
     report = {"command": rerun_command(), "device": device_name(), "versions": versions(), "skipped": skipped,
-              "workloads": {}, "reference": {}}  # fmt: skip
+              "gradient_checkpointing": args.gradient_checkpointing, "workloads": {}, "reference": {}}  # fmt: skip
     runs = [(name, side) for name in args.workloads for side in args.sides if side not in skipped]
     for name, side in runs:
         result_path = output.parent / f"gpu_decode.{name}.{side}.json"
         spec = {"kind": "train", "workload": workload(args, name), "side": side, "steps": args.steps,
-                "config": str(config), "generation_backend": args.generation_backend, "output": str(result_path)}  # fmt: skip
+                "config": str(config), "generation_backend": args.generation_backend, "output": str(result_path),
+                "gradient_checkpointing": args.gradient_checkpointing}  # fmt: skip
         print(f"[bench-gpu] {name}, {side} ...", flush=True)
         log = output.parent / f"gpu_decode.{name}.{side}.log"
         report["workloads"].setdefault(name, {})[side] = run_worker(

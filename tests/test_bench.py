@@ -148,7 +148,8 @@ def test_vllm_backend_bench_runs_our_side(tmp_path):
 @pytest.mark.slow
 def test_gpu_decode_bench_runs_end_to_end_with_tiny_settings(tmp_path):
     """bench/gpu_decode.py on this machine's device, a tiny Llama config standing for SmolLM2's:
-    one workload (TRL's side too where TRL is installed) and the reference generate lines."""
+    one workload (TRL's side too where TRL is installed), gradient checkpointing asked for, and the
+    reference generate lines."""
     config = tmp_path / "tiny-config"
     tiny_llama().config.save_pretrained(config)
     tiny_tokenizer().save_pretrained(config)
@@ -157,7 +158,7 @@ def test_gpu_decode_bench_runs_end_to_end_with_tiny_settings(tmp_path):
         sys.executable, str(ROOT / "bench" / "gpu_decode.py"), "--model-config", str(config),
         "--workloads", "smol-8x8-256", "--prompts", "1", "--num-generations", "2",
         "--max-completion-length", "4", "--steps", "2", "--reference-rows", "2", "--reference-tokens", "4",
-        "--output", str(output),
+        "--gradient-checkpointing", "--output", str(output),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -169,6 +170,7 @@ def test_gpu_decode_bench_runs_end_to_end_with_tiny_settings(tmp_path):
     assert set(sides) == ({"ours", "trl"} if trl else {"ours"})
     for result in sides.values():
         assert "error" not in result, result
+        assert result["gradient_checkpointing"] is True  # the side's trainer's own setting
         assert len(result["step_seconds"]) == 2 and result["median_step_seconds"] == result["step_seconds"][1]
         assert result["median_tokens_per_second"] > 0 and 1 <= result["mean_completion_length"] <= 4
         assert (result["peak_gib"] if torch.cuda.is_available() else result["peak_rss_gib"]) > 0
@@ -177,6 +179,7 @@ def test_gpu_decode_bench_runs_end_to_end_with_tiny_settings(tmp_path):
     for line in lines.values():
         assert 2 <= line["tokens"] <= 8 and line["tokens_per_second"] > 0  # 2 rows, up to 4 tokens each
     assert "bench/gpu_decode.py" in report["command"] and "Reference: 2 rows x 4 new tokens" in done.stdout
+    assert "gradient checkpointing: on (both sides)" in done.stdout
 
 
 def test_learning_curve_reads_the_run_as_the_recipe_does(tmp_path):
