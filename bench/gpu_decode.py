@@ -13,8 +13,9 @@ Random weights almost never sample EOS, so completions run to the limit. The wor
 issue's table: G = 8, LoRA r=16 on q/k/v/o (full fine-tuning for 'full'), bf16 where the GPU has
 it, float32 elsewhere; all of a step's completions in one micro-batch and gradient checkpointing
 off on both sides (TRL's default turns it on: `--gradient-checkpointing` turns it on for both).
-Each (workload, side) trains `--steps` optimizer steps in a subprocess of its own, with `bench/worker.py`'s trainer and arithmetic prompts: s/step is the median over the steps
-after the first; tokens/s ours' logged generation/tokens_per_second, TRL's completion tokens over
+Each (workload, side) trains `--steps` optimizer steps in a subprocess of its own, with
+`bench/worker.py`'s trainer and arithmetic prompts: s/step is the median over the steps after the
+first; tokens/s ours' logged generation/tokens_per_second, TRL's completion tokens over
 its own generate timer; peak memory the last step's `torch.cuda.max_memory_allocated` (on a CPU
 the worker's peak RSS). The reference process generates `--reference-rows` x `--reference-tokens`
 from the smol model with transformers' `generate` on a static cache (compiled on CUDA) and with our
