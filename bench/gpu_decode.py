@@ -19,8 +19,10 @@ first; tokens/s ours' logged generation/tokens_per_second, TRL's completion toke
 its own generate timer; peak memory the last step's `torch.cuda.max_memory_allocated` (on a CPU
 the worker's peak RSS). The reference process generates `--reference-rows` x `--reference-tokens`
 from the smol model with transformers' `generate` on a static cache (compiled on CUDA) and with our
-decoders (generation_backend 'llama_static' and 'llama'; on CUDA 'llama_compiled' too, compiled
-as theirs is): each line's tokens/s is its second call's; its first call's seconds (compilation, or the CUDA graph capture) are printed beside.
+decoders (generation_backend 'llama_static', 'llama' and 'transformers_static', the fixed-shape path
+of models other than Llama, through the model's own forward; on CUDA 'llama_compiled' too, compiled
+as theirs is): each line's tokens/s is its second call's; its first call's seconds (compilation, or
+the CUDA graph capture) are printed beside.
 TRL is needed only for its side (`pip install -e ".[bench]"`); without it that side is skipped and
 the output says so. Results: bench/results/gpu_decode.json.
 """
@@ -65,7 +67,7 @@ WORKLOADS = {  # name: (shape, prompts per step, G, max completion length, LoRA)
     "smol-4x8-2048": ("smol", 4, 8, 2048, True),
     "smol-full-8x8-256": ("smol", 8, 8, 256, False),
 }
-REFERENCE_BACKENDS = ("llama_static", "llama")
+REFERENCE_BACKENDS = ("llama_static", "llama", "transformers_static")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -265,7 +267,7 @@ def print_report(report: dict) -> None:
         ref = report["reference"]
         print(f"Reference: {ref['rows']} rows x {ref['new_tokens']} new tokens, smol model, {ref['dtype']}:")
         for name, line in ref["lines"].items():
-            print(f"  {name:<20} {line['tokens_per_second']:>9.0f} tok/s  (first call {line['first_call_seconds']:.2f} s, "
+            print(f"  {name:<25} {line['tokens_per_second']:>9.0f} tok/s  (first call {line['first_call_seconds']:.2f} s, "
                   f"then {line['seconds']:.2f} s; peak {_number(line['peak_gib'], 2)} GiB)")  # fmt: skip
     elif "error" in report.get("reference", {}):
         print(f"Reference FAILED ({report['reference']['error']}); log: {report['reference']['log']}")

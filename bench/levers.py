@@ -50,7 +50,7 @@ from peft import LoraConfig, get_peft_model
 from grpo_hf.engine import logprobs, packing
 from grpo_hf.engine.attention import grouped_attention
 from grpo_hf.engine.cpu import BlockedLinear, native_bf16
-from grpo_hf.engine.decoding import LlamaDecoder, TransformersDecoder
+from grpo_hf.engine.decoding import LlamaDecoder
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.local import sample_tokens
 from grpo_hf.engine.logprobs import (
@@ -58,6 +58,7 @@ from grpo_hf.engine.logprobs import (
     completion_logits,
     packed_completion_logps,
 )
+from grpo_hf.engine.model_forward import TransformersDecoder
 from grpo_hf.engine.token_scores import token_logps_and_entropy
 from grpo_hf.models.loading import DEFAULT_MODEL, load_model
 

@@ -175,7 +175,12 @@ def test_gpu_decode_bench_runs_end_to_end_with_tiny_settings(tmp_path):
         assert result["median_tokens_per_second"] > 0 and 1 <= result["mean_completion_length"] <= 4
         assert (result["peak_gib"] if torch.cuda.is_available() else result["peak_rss_gib"]) > 0
     lines = report["reference"]["lines"]
-    assert set(lines) == {"transformers_static", "ours_llama_static", "ours_llama"}
+    assert set(lines) == {
+        "transformers_static",
+        "ours_llama_static",
+        "ours_llama",
+        "ours_transformers_static",
+    }
     for line in lines.values():
         assert 2 <= line["tokens"] <= 8 and line["tokens_per_second"] > 0  # 2 rows, up to 4 tokens each
     assert "bench/gpu_decode.py" in report["command"] and "Reference: 2 rows x 4 new tokens" in done.stdout

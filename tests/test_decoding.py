@@ -7,7 +7,8 @@ from tiny_models import tiny_gpt2, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo_hf.engine import cpu
-from grpo_hf.engine.decoding import LlamaDecoder, TransformersDecoder, decoder_for, is_plain_llama
+from grpo_hf.engine.decoding import LlamaDecoder, decoder_for, is_plain_llama
+from grpo_hf.engine.model_forward import TransformersDecoder
 
 
 def llama_with_rope_scaling() -> LlamaForCausalLM:

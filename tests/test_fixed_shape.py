@@ -2,9 +2,9 @@
 
 On the CPU it runs eagerly and must sample the loop's tokens for the same seed, with log-probs
 within 1e-5 (float32). The CUDA graph bookkeeping (one capture per bucket and sampling settings,
-captured again when a weight moves) runs here with the capture replaced by `EagerCapture`, which
-runs the warm-up steps on the state as a real capture does. The tests marked `cuda` (skipped
-without a GPU) replay real CUDA graphs.
+captured again when a weight moves) runs here with the capture replaced by conftest's
+`EagerCapture`, which runs the warm-up steps on the state as a real capture does. The tests marked
+`cuda` (skipped without a GPU) replay real CUDA graphs.
 """
 
 import importlib.util
@@ -105,28 +105,6 @@ def test_the_fixed_shape_steps_ignore_an_ambient_autocast():
         torch.manual_seed(0)
         under = generate(model, ids, mask, sampling(), "llama_static")
     assert_same_rollout(under, plain)
-
-
-class EagerCapture:
-    """Stands in for `fixed_shape.capture` on the CPU: runs the warm-up steps on the state as the
-    real capture does, counts captures, and replays the step eagerly."""
-
-    def __init__(self):
-        self.captures = 0
-
-    def __call__(self, run_step, device):
-        self.captures += 1
-        for _ in range(fixed_shape.WARMUP_STEPS):
-            run_step()
-        return run_step
-
-
-@pytest.fixture
-def eager_graphs(monkeypatch) -> EagerCapture:
-    capture = EagerCapture()
-    monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
-    monkeypatch.setattr(fixed_shape, "capture", capture)
-    return capture
 
 
 def test_one_capture_per_bucket_and_sampling_settings(eager_graphs):

@@ -150,11 +150,13 @@ class GRPOConfig(
         default="auto",
         metadata={
             "help": "Which decoder generates: 'auto' (Llama's maths on the raw weights where it reproduces "
-            "the model, in fixed shapes replayed as CUDA graphs on a GPU; the model's own forward elsewhere), "
+            "the model, the model's own forward elsewhere; on a GPU in fixed shapes replayed as CUDA graphs), "
             "'llama' (Llama's maths, rows leaving the batch as they end, or an error), 'llama_static' (Llama's "
             "maths in fixed shapes on a static cache, CUDA graphs on a GPU, or an error), 'llama_compiled' (the same, "
             "its step through torch.compile first: auto's choice on a GPU with Triton), 'transformers' (the "
-            "model's own forward with a DynamicCache, any architecture), 'vllm' (vLLM, see vllm_mode; "
+            "model's own forward with a DynamicCache, any architecture), 'transformers_static' (the model's own "
+            "forward in fixed shapes on a StaticCache, CUDA graphs on a GPU: auto's choice there for models other "
+            "than Llama that transformers can compile whole; or an error), 'vllm' (vLLM, see vllm_mode; "
             "use_vllm=True sets it)."
         },
     )

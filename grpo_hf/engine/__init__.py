@@ -6,7 +6,10 @@ knows which path answered. Modules:
 
 - `decoding`: prompt prefill and decoding steps; `decoder_for` picks `LlamaDecoder` (Llama's maths
   on the raw weights), `StaticLlamaDecoder` (the same in fixed shapes, CUDA graphs on a GPU) or
-  `TransformersDecoder` (the model's own forward, any architecture);
+  one of `model_forward`'s;
+- `model_forward`: the model's own forward, any architecture: `TransformersDecoder` (a
+  `DynamicCache`, rows leaving as they end) and `StaticForwardDecoder` (fixed shapes on a
+  `StaticCache`, CUDA graphs on a GPU, where transformers can compile the model whole);
 - `fixed_shape`: shape buckets, the static buffers and the CUDA graph capture of a decoding step;
 - `cpu`: what this CPU computes natively, and oneDNN's blocked-weight matmul with its fallback;
 - `generation_copy`: the low-precision, LoRA-merged copy generation samples from;

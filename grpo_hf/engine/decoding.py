@@ -17,8 +17,10 @@ directly on the model's weights:
 `StaticLlamaDecoder` is the same maths in fixed shapes on a static cache, each step sampling
 inside and replayed as a CUDA graph on a GPU (`fixed_shape`); `decoder_for` takes it on a CUDA
 device. Any other model (GPT-2, a PEFT wrapper with unmerged adapters, sharded parameters) prefills
-and decodes through `model(...)` with a `DynamicCache` (`TransformersDecoder`). `bench/levers.py`
-times a step of each on the benchmark's shapes.
+and decodes through `model(...)`: with a `DynamicCache` (`TransformersDecoder`), or on a CUDA device,
+where transformers can run the model's forward on a static cache, in fixed shapes replayed as CUDA
+graphs (`model_forward.StaticForwardDecoder`). `bench/levers.py` times a step of each on the
+benchmark's shapes.
 """
 
 import functools
@@ -29,45 +31,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
 
 from grpo_hf.engine import fixed_shape
 from grpo_hf.engine.attention import bias_from, causal_allowed, grouped_attention
 from grpo_hf.engine.cpu import BlockedLinear, BlockedWeights
-from grpo_hf.engine.logprobs import Float32Head, position_ids_from_mask, prefill_prompts, unique_rows
-
-
-class TransformersDecoder:
-    """Prefill and decoding steps through the model's own forward and a `DynamicCache`."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-        """Run the (B, P) left-padded prompts (each distinct one once); (B, V) float32 next-token logits."""
-        logits, self.cache = prefill_prompts(self.model, prompt_ids, prompt_mask)
-        self.attention = prompt_mask  # (B, P + t)
-        self.position = position_ids_from_mask(prompt_mask)[:, -1:] + 1  # (B, 1)
-        return logits.float()
-
-    def __call__(self, token: torch.Tensor) -> torch.Tensor:
-        """Feed (B,) tokens; (B, V) float32 logits for the next ones."""
-        self.attention = torch.cat([self.attention, torch.ones_like(token).unsqueeze(1)], dim=1)
-        out = self.model(
-            input_ids=token.unsqueeze(1),
-            attention_mask=self.attention,
-            position_ids=self.position,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
-        self.position = self.position + 1
-        return out.logits[:, -1].float()  # (B, V)
-
-    def keep(self, rows: torch.Tensor) -> None:
-        """Go on decoding only `rows` (indices into the current rows), in that order."""
-        self.cache.reorder_cache(rows)
-        self.attention, self.position = self.attention[rows], self.position[rows]
+from grpo_hf.engine.logprobs import Float32Head, position_ids_from_mask, unique_rows
+from grpo_hf.engine.model_forward import (
+    StaticForwardDecoder,
+    TransformersDecoder,
+    static_cache_problem,
+    whole_local_weights,
+)
 
 
 def is_plain_llama(model: nn.Module) -> bool:
@@ -83,7 +58,7 @@ def is_plain_llama(model: nn.Module) -> bool:
         # Dynamic RoPE rescales with the longest position seen so far, step by step in transformers;
         # LlamaDecoder computes every position's rotation up front.
         and (getattr(config, "rope_parameters", None) or {}).get("rope_type") != "dynamic"
-        and all(type(p.data) is torch.Tensor and not hasattr(p, "ds_id") for p in model.parameters())
+        and whole_local_weights(model)
     )
 
 
@@ -292,30 +267,20 @@ class StaticLlamaDecoder(LlamaDecoder):
     weights' dtype on a GPU (float32 on a CPU), rows kept to the end, sampling inside the step, and
     on CUDA each step replayed as a CUDA graph. The prefill is `LlamaDecoder`'s, on the bucket's
     padded prompts; the step is its `_forward_token` with the step, the cache column and the
-    attention bias held on the device. `decode` replaces the loop's prefill / step / keep.
+    attention bias held on the device. `fixed_shape.decode` drives it, in place of the loop's
+    prefill / step / keep.
     """
+
+    CAPTURE_FALLBACK = (
+        "set generation_backend='llama_static' to decode without torch.compile, "
+        "or 'llama' without CUDA graphs"
+    )
 
     def __init__(self, model: nn.Module, max_new_tokens: int, compiled: bool = False):
         super().__init__(model, fixed_shape.bucket(max_new_tokens))
         self.buffers = fixed_shape.buffers_of(model)
         self.vocab = model.lm_head.weight.shape[0]
         self.compiled = compiled  # the step's model part through torch.compile (`compiled_forward`)
-
-    def decode(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        config: GenerationConfig,
-        choose: Callable,
-        uniforms: torch.Tensor | None,
-        all_done: Callable[[bool], bool] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, C) new tokens of the (B, P) prompts and their log-probs, as the loop returns them."""
-        self.state = self.buffers.state(prompt_ids, self.max_new_tokens, self.vocab)
-        tokens, logps = fixed_shape.decode(
-            self, self.state, prompt_ids, prompt_mask, config, choose, uniforms, all_done
-        )
-        return tokens.clone(), logps.clone()  # outside inference mode: plain tensors
 
     def _linears(self, rows: int) -> list:
         self.weights = self.buffers.joins.join(_matmul_weights(self.model, self.head_weight))
@@ -324,7 +289,7 @@ class StaticLlamaDecoder(LlamaDecoder):
     def _new_cache(self, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The state's cache; its new-token columns zeroed (the bias masks them until written:
         probability 0 times a finite value)."""
-        cache = self.state.model
+        cache = self.state.own(self)
         if "keys" not in cache:
             dtype = torch.float32 if self.embed.device.type == "cpu" else self.embed.dtype
             cache["keys"], cache["values"] = (
@@ -335,13 +300,18 @@ class StaticLlamaDecoder(LlamaDecoder):
         return cache["keys"], cache["values"]
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-        """`LlamaDecoder.prefill`, its attention bias and rotations copied into the state's buffers."""
+    def prefill(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, state: fixed_shape.DecodeState
+    ) -> torch.Tensor:
+        """`LlamaDecoder.prefill` of the bucket's (R, P) padded prompts into `state`'s cache, its
+        attention bias and rotations copied into the state's buffers."""
+        self.state = state
         logits = super().prefill(prompt_ids, prompt_mask)  # (R, V)
+        buffers = self.state.own(self)
         for name in ("mask", "cos", "signed_sin"):
-            if name not in self.state.model:
-                self.state.model[name] = torch.empty_like(getattr(self, name))
-            setattr(self, name, self.state.model[name].copy_(getattr(self, name)))
+            if name not in buffers:
+                buffers[name] = torch.empty_like(getattr(self, name))
+            setattr(self, name, buffers[name].copy_(getattr(self, name)))
         return logits
 
     def forward(self, token: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -396,36 +366,61 @@ STATIC_DECODERS = ("llama_static", "llama_compiled")
 
 def decoder_for(
     model: nn.Module, max_new_tokens: int, backend: str = "auto", processors: LogitsProcessorList = ()
-) -> LlamaDecoder | TransformersDecoder:
+) -> LlamaDecoder | TransformersDecoder | StaticForwardDecoder:
     """The prefill and decoding steps for `model`, for completions of up to `max_new_tokens`.
 
     `backend` (`GRPOConfig.generation_backend`): 'auto' takes Llama's maths on the raw weights
-    wherever they reproduce the model (`is_plain_llama`), and the model's own forward elsewhere:
-    on a CUDA device `StaticLlamaDecoder` (fixed shapes, each step a CUDA graph, compiled where
-    Triton is installed) unless a logits processor of the call's `processors` needs the shrinking loop, elsewhere `LlamaDecoder` (rows
-    leave as they end: what a CPU's step costs). 'llama' / 'llama_static' / 'transformers' insist on
-    one; 'llama_compiled' is 'llama_static' with its step compiled (`compiled_forward`).
+    wherever they reproduce the model (`is_plain_llama`), and the model's own forward elsewhere. On
+    a CUDA device it decodes in fixed shapes, each step a CUDA graph, unless a logits processor of
+    the call's `processors` needs the shrinking loop: `StaticLlamaDecoder` (compiled where Triton
+    is installed), or for other models `StaticForwardDecoder` where transformers can run their
+    forward on a static cache (`static_cache_problem`). Elsewhere rows leave as they end (what a
+    CPU's step costs): `LlamaDecoder`, `TransformersDecoder`. 'llama' / 'llama_static' /
+    'transformers' / 'transformers_static' insist on one; 'llama_compiled' is 'llama_static' with
+    its step compiled (`compiled_forward`).
     """
     if backend not in DECODERS:
         raise ValueError(f"generation_backend={backend!r} is not one of {DECODERS}.")
     plain_llama = is_plain_llama(model)
-    if backend in ("llama", *STATIC_DECODERS) and not plain_llama:
+    if backend in ("llama", *LLAMA_STATIC) and not plain_llama:
         raise ValueError(
             f"generation_backend={backend!r} needs a plain LlamaForCausalLM with whole local weights, not "
             f"{type(model).__name__}; set generation_backend='auto'."
         )
-    if not plain_llama or backend == "transformers":
-        return TransformersDecoder(model)
     variable = fixed_shape.variable_shape_settings(processors)
     if backend in STATIC_DECODERS and variable:
+        shrinking = "'transformers'" if backend == "transformers_static" else "'llama'"
         raise ValueError(
             f"generation_backend={backend!r} decodes in fixed shapes, which the sampling settings {variable} "
-            "do not allow; drop them from generation_kwargs or set generation_backend='llama' (or 'auto')."
+            f"do not allow; drop them from generation_kwargs or set generation_backend={shrinking} (or 'auto')."
         )
-    on_cuda = model.model.embed_tokens.weight.device.type == "cuda"
-    if backend in STATIC_DECODERS or (backend == "auto" and on_cuda and not variable):
+    fixed = backend in STATIC_DECODERS or (
+        backend == "auto" and not variable and next(model.parameters()).device.type == "cuda"
+    )
+    if not plain_llama or backend.startswith("transformers"):
+        return _forward_decoder(model, max_new_tokens, backend, fixed)
+    if fixed:
         compiled = backend == "llama_compiled" or (
             backend == "auto" and importlib.util.find_spec("triton") is not None
         )
         return StaticLlamaDecoder(model, max_new_tokens, compiled=compiled)
     return LlamaDecoder(model, max_new_tokens)
+
+
+def _forward_decoder(
+    model: nn.Module, max_new_tokens: int, backend: str, fixed: bool
+) -> TransformersDecoder | StaticForwardDecoder:
+    """The model's own forward: in fixed shapes where asked and transformers allows it."""
+    problem = static_cache_problem(model) if fixed else "not asked for"
+    if backend == "transformers_static" and problem:
+        raise ValueError(
+            f"generation_backend='transformers_static' cannot decode this model: {problem}; set "
+            "generation_backend='transformers' (or 'auto')."
+        )
+    return TransformersDecoder(model) if problem else StaticForwardDecoder(model, max_new_tokens)
+
+
+DECODERS = ("auto", "llama", "llama_static", "llama_compiled", "transformers", "transformers_static")
+LLAMA_STATIC = ("llama_static", "llama_compiled")
+STATIC_DECODERS = (*LLAMA_STATIC, "transformers_static")
+FIXED_SHAPE_DECODERS = (StaticLlamaDecoder, StaticForwardDecoder)

@@ -21,8 +21,9 @@ the same shapes and the same memory at every replay. So here:
   row's end only record padding).
 On CUDA the step is captured once per bucket and sampling settings (`capture`) and replayed;
 elsewhere the same step runs eagerly. `decoding.StaticLlamaDecoder` is the Llama step on these
-buffers and `decoding.decoder_for` the one place that picks it. Its tokens are the shrinking
-loop's for the same seed (tests/test_fixed_shape.py).
+buffers, `model_forward.StaticForwardDecoder` the model's own forward on a `StaticCache`, and
+`decoding.decoder_for` the one place that picks one. Their tokens are the shrinking loop's for the
+same seed (tests/test_fixed_shape.py, tests/test_model_forward.py).
 """
 
 import logging
@@ -138,8 +139,8 @@ class JoinedWeights:
 class DecodeState:
     """The buffers of one bucket: (rows, prompt_width, new_tokens) and a `vocab`-wide head.
 
-    `model` holds the decoder's own buffers (cache, attention bias, rotations); `graphs` the
-    captured steps, by sampling settings.
+    `own(decoder)` holds a kind of decoder's own buffers (its cache, attention bias, positions);
+    `graphs` the captured steps, by decoder, compiled or not, and sampling settings.
     """
 
     def __init__(self, rows: int, prompt_width: int, new_tokens: int, vocab: int, device: torch.device):
@@ -154,9 +155,13 @@ class DecodeState:
         self.lengths = torch.zeros(rows, **long)  # (R,) tokens recorded
         self.tokens = torch.zeros(rows, new_tokens, **long)  # (R, N)
         self.logps = torch.zeros(rows, new_tokens, device=device)  # (R, N) float32
-        self.model: dict[str, object] = {}
-        self.graphs: dict[tuple, tuple] = {}  # (compiled, sampling key) -> (replay, weight pointers, kept)
+        self.decoders: dict[str, dict[str, object]] = {}  # kind of decoder -> its buffers
+        self.graphs: dict[tuple, tuple] = {}  # (kind, compiled, sampling key) -> (replay, pointers, kept)
         self.capture_seconds: float | None = None  # the last capture's
+
+    def own(self, decoder) -> dict[str, object]:
+        """The buffers of `decoder`'s kind in this bucket (kinds keep their caches apart)."""
+        return self.decoders.setdefault(type(decoder).__name__, {})
 
     def begin(
         self, sequence: torch.Tensor, logits: torch.Tensor, uniforms: torch.Tensor | None, rows: int, pad: int
@@ -272,11 +277,17 @@ def capture(run_step: Callable[[], None], device: torch.device) -> Callable[[], 
 
 
 def graph_for(
-    state: DecodeState, key: tuple, pointers: tuple[int, ...], run_step: Callable[[], None], keep: tuple
+    state: DecodeState,
+    key: tuple,
+    pointers: tuple[int, ...],
+    run_step: Callable[[], None],
+    keep: tuple,
+    fallback: str,
 ) -> tuple[Callable[[], None], bool]:
-    """The replay of the step for `key` (compiled or not, sampling settings), and whether it was captured just now
-    (capturing runs steps on the state). Captured again when a weight it reads moved (`pointers`);
-    `keep`: tensors the step reads that nothing else holds."""
+    """The replay of the step for `key` (decoder, compiled or not, sampling settings), and whether
+    it was captured just now (capturing runs steps on the state). Captured again when a weight it
+    reads moved (`pointers`); `keep`: tensors the step reads that nothing else holds; `fallback`:
+    the setting a failed capture's error names."""
     cached = state.graphs.pop(key, None)  # a stale graph's memory goes before capturing anew
     if cached is not None and cached[1] == pointers:
         state.graphs[key] = cached
@@ -286,8 +297,7 @@ def graph_for(
         replay = capture(run_step, state.t.device)
     except RuntimeError as error:
         raise RuntimeError(
-            f"Capturing the decoding step as a CUDA graph failed ({error}); set generation_backend='llama_static' "
-            "to decode without torch.compile, or 'llama' without CUDA graphs."
+            f"Capturing the decoding step as a CUDA graph failed ({error}); {fallback}."
         ) from error
     state.capture_seconds = time.perf_counter() - start
     state.graphs[key] = (replay, pointers, keep)
@@ -322,10 +332,8 @@ def run(
     return state.tokens[:rows, :width], state.logps[:rows, :width]  # (B, C) each
 
 
-@torch.inference_mode()
 def decode(
     decoder,
-    state: DecodeState,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     config: GenerationConfig,
@@ -333,21 +341,26 @@ def decode(
     uniforms: torch.Tensor | None,
     all_done: Callable[[bool], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, P) prompts decoded by `decoder` (its `prefill`, `forward(token, t)` and `weight_pointers`)
-    in the shapes of `state`; (B, C) tokens and their log-probs, views of the state's buffers.
+    """(B, P) prompts decoded by a fixed-shape `decoder` in the buffers of their bucket; (B, C) new
+    tokens and their log-probs, as the shrinking loop returns them.
 
-    `choose(sequence, logits, uniforms)` is the loop's processors and sampling; `uniforms` (N, B, 1)
-    its numbers (None: greedy). Autocast is off, as in the shrinking loop's decoding (a graph must
-    not read autocast's cached weight casts, which go with the autocast region).
+    The decoder gives `model`, `max_new_tokens` (a bucket), `vocab`, `compiled`, `CAPTURE_FALLBACK`
+    (what to set when capturing fails), `prefill(ids, mask, state)`, `forward(token, t)` and
+    `weight_pointers()`. `choose(sequence, logits, uniforms)` is the loop's processors and
+    sampling; `uniforms` (N, B, 1) its numbers (None: greedy). Autocast is off, as in the shrinking
+    loop's decoding (a graph must not read autocast's cached weight casts, which go with the
+    autocast region).
     """
-    with torch.autocast(prompt_ids.device.type, enabled=False):
-        return _decode(decoder, state, prompt_ids, prompt_mask, config, choose, uniforms, all_done)
+    state = buffers_of(decoder.model).state(prompt_ids, decoder.max_new_tokens, decoder.vocab)
+    with torch.inference_mode(), torch.autocast(prompt_ids.device.type, enabled=False):
+        tokens, logps = _decode(decoder, state, prompt_ids, prompt_mask, config, choose, uniforms, all_done)
+    return tokens.clone(), logps.clone()  # outside inference mode: plain tensors
 
 
 def _decode(decoder, state, prompt_ids, prompt_mask, config, choose, uniforms, all_done):
     rows, pad = prompt_ids.shape[0], config.pad_token_id
     ids, mask = padded(prompt_ids, prompt_mask, state.rows, state.prompt_width, pad)
-    logits = decoder.prefill(ids, mask)  # (R, V)
+    logits = decoder.prefill(ids, mask, state)  # (R, V)
     eos_ids = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     eos = torch.tensor(eos_ids, device=ids.device)
     sequence = processor_sequence(prompt_ids, state.rows, state.prompt_width, state.new_tokens)
@@ -361,8 +374,10 @@ def _decode(decoder, state, prompt_ids, prompt_mask, config, choose, uniforms, a
     begin()
     replay = run_step
     if graphs_enabled(ids.device):
-        key = (decoder.compiled, sampling_key(config))  # compiled or not, the steps' kernels differ
-        replay, captured = graph_for(state, key, decoder.weight_pointers(), run_step, (eos,))
+        # the decoder's kind, compiled or not: the steps' kernels differ
+        key = (type(decoder).__name__, decoder.compiled, sampling_key(config))
+        pointers = decoder.weight_pointers()
+        replay, captured = graph_for(state, key, pointers, run_step, (eos,), decoder.CAPTURE_FALLBACK)
         if captured:
             begin()  # warming the capture up ran steps on the state
     return run(state, replay, config.max_new_tokens, rows, all_done)

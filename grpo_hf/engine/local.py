@@ -31,8 +31,8 @@ from transformers.generation.logits_process import (
 )
 
 from grpo_hf.data.rollout import Rollout
-from grpo_hf.engine import transformers_generate
-from grpo_hf.engine.decoding import StaticLlamaDecoder, decoder_for
+from grpo_hf.engine import fixed_shape, transformers_generate
+from grpo_hf.engine.decoding import FIXED_SHAPE_DECODERS, decoder_for
 from grpo_hf.engine.generation import Generator, Sampling
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.models.sharding import unsharded_for_generation
@@ -215,9 +215,9 @@ def _decode(
         if config.do_sample
         else None
     )  # (N, B, 1)
-    if isinstance(decoder, StaticLlamaDecoder):  # keeps its rows and samples inside its step
+    if isinstance(decoder, FIXED_SHAPE_DECODERS):  # keeps its rows and samples inside its step
         choose = functools.partial(next_tokens, processors)
-        return decoder.decode(prompt_ids, prompt_mask, config, choose, uniforms, all_done)
+        return fixed_shape.decode(decoder, prompt_ids, prompt_mask, config, choose, uniforms, all_done)
     logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
     eos = torch.tensor(
         config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id],

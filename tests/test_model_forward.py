@@ -1,0 +1,278 @@
+"""Fixed-shape decoding through the model's own forward (`model_forward.StaticForwardDecoder`)
+against our shrinking loop through the same forward (`TransformersDecoder`).
+
+On the CPU the fixed-shape steps run eagerly and must sample the loop's tokens for the same seed,
+log-probs within 1e-5 (float32), for models `LlamaDecoder` does not serve (GPT-2, Qwen2 with its
+attention biases). Capturing is replaced by `EagerCapture` (conftest) or by `SyncCheck`, which runs
+the captured step as transformers sees it during a CUDA capture and fails on any host
+synchronisation (what makes a capture fail on a GPU). The `cuda` tests replay real CUDA graphs.
+"""
+
+import pytest
+import torch
+import transformers.utils.import_utils
+from conftest import EagerCapture
+from peft import LoraConfig, get_peft_model
+from test_fixed_shape import assert_same_rollout, prompts, sampling
+from tiny_models import LLAMA_LIKE, tiny_gpt2, tiny_llama, tiny_mistral, tiny_tokenizer
+from torch.utils._python_dispatch import TorchDispatchMode
+from trainer_helpers import chat_dataset, length_reward, make_config
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.engine import fixed_shape
+from grpo_hf.engine.decoding import decoder_for
+from grpo_hf.engine.generation_copy import GenerationCopy
+from grpo_hf.engine.local import generate, logits_processors
+from grpo_hf.engine.model_forward import StaticForwardDecoder, TransformersDecoder, static_cache_problem
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    """Biases on q/k/v: not a model `LlamaDecoder` reproduces."""
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=259, **LLAMA_LIKE))
+
+
+def decode_both(model, config, ids, mask, seed: int = 0):
+    """The shrinking loop's rollout and the fixed-shape one's, both through `model`'s forward."""
+    rollouts = []
+    for backend in ("transformers", "transformers_static"):
+        torch.manual_seed(seed)
+        rollouts.append(generate(model, ids, mask, config, backend))
+    return rollouts
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {},
+        {"do_sample": False, "eos_token_id": [2]},
+        {"temperature": 0.7, "top_k": 20, "top_p": 0.9},
+        {"min_p": 0.05, "repetition_penalty": 1.3},
+    ],
+    ids=["plain", "greedy", "top-k-top-p", "min-p-repetition"],
+)
+@pytest.mark.parametrize("build", [tiny_gpt2, tiny_qwen2, tiny_llama], ids=["gpt2", "qwen2", "llama"])
+def test_fixed_shapes_sample_the_loops_tokens(build, knobs):
+    model, (ids, mask) = build().eval(), prompts()
+    assert type(decoder_for(model, 16, "transformers_static")) is StaticForwardDecoder
+    loop, fixed = decode_both(model, sampling(**knobs), ids, mask)
+    assert_same_rollout(fixed, loop)
+    lengths = loop.completion_mask.sum(1)
+    if knobs.get("do_sample", True):  # rows end at different steps
+        assert len(set(lengths.tolist())) >= 3, lengths
+
+
+def lora_gpt2():
+    """A tiny GPT-2 with LoRA on its attention and MLP (Conv1D) layers, B matrices non-zero."""
+    policy = get_peft_model(tiny_gpt2(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"]))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    return policy
+
+
+def test_one_capture_per_bucket_and_the_warm_up_steps_leave_no_trace(eager_graphs):
+    """The capture's warm-up runs steps on the bucket's cache (their lengths advance); the next
+    call's tokens are still the loop's, in the bucket captured and in a new one."""
+    model = tiny_qwen2().eval()
+    rounds = [(prompts(7), 1), (prompts(9), 1), (prompts(20), 2), (prompts(7), 2)]
+    for seed, ((ids, mask), captures) in enumerate(rounds):
+        loop, fixed = decode_both(model, sampling(top_p=0.9), ids, mask, seed)
+        assert_same_rollout(fixed, loop)
+        assert eager_graphs.captures == captures
+    assert list(fixed_shape.buffers_of(model).states) == [(8, 32, 16), (8, 16, 16)]
+
+
+def test_both_kinds_of_fixed_shape_decoder_share_a_models_buckets(eager_graphs):
+    """A Llama decoded by `StaticLlamaDecoder` and through its own forward in the same bucket: each
+    kind keeps its own cache and graph, and both sample the loop's tokens."""
+    model, (ids, mask) = tiny_llama().eval(), prompts()
+    for seed, backend in enumerate(("llama_static", "transformers_static", "llama_static")):
+        rollouts = []
+        for each in ("transformers", backend):
+            torch.manual_seed(seed)
+            rollouts.append(generate(model, ids, mask, sampling(), each))
+        assert_same_rollout(rollouts[1], rollouts[0])
+    (state,) = fixed_shape.buffers_of(model).states.values()
+    assert eager_graphs.captures == 2 and len(state.decoders) == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weights_refreshed_between_rounds_reach_the_replayed_step(device, request):
+    """A LoRA GPT-2's generation copy (its float32 one-token attention, `decode_attention`),
+    refreshed in place after each 'optimizer step': the replayed step's greedy tokens change, and
+    are those of eager steps on the new weights. A stale-weights step would repeat the last round."""
+    if device == "cpu":
+        request.getfixturevalue("eager_graphs")
+    policy = lora_gpt2().to(device)
+    copy = GenerationCopy(policy, torch.float32)
+    ids, mask = prompts(device=device)
+    config = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=[2])
+    previous = generate(copy.refresh(), ids, mask, config, "transformers_static").completion_ids
+    numbers = torch.Generator().manual_seed(0)  # on the CPU: the same steps on every device
+    for moved in ("c_attn", "c_fc"):
+        with torch.no_grad():
+            for name, param in policy.named_parameters():
+                if f"{moved}.lora_B" in name:
+                    param.add_(torch.randn(param.shape, generator=numbers).to(device))
+        copy.refresh()
+        replayed = generate(copy.model, ids, mask, config, "transformers_static").completion_ids
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fixed_shape, "graphs_enabled", lambda device: False)
+            eager = generate(copy.model, ids, mask, config, "transformers_static").completion_ids
+        loop = generate(copy.model, ids, mask, config, "transformers").completion_ids
+        assert torch.equal(replayed, eager) and torch.equal(replayed, loop), moved
+        assert not torch.equal(replayed, previous), moved
+        previous = replayed
+
+
+SYNCING_OPS = {
+    "_local_scalar_dense",
+    "nonzero",
+    "masked_select",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+}
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops that read a device tensor's values on the host (`.item()`, `bool(t)`, ...) or
+    size their output by them: each is a synchronisation, which a CUDA capture refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._opname in SYNCING_OPS:
+            self.seen.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+class SyncCheck(EagerCapture):
+    """`EagerCapture` whose captured step runs as transformers sees a CUDA capture (its
+    `is_tracing` true: the branches it takes to avoid host reads), recording host reads."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.monkeypatch, self.seen = monkeypatch, []
+
+    def __call__(self, run_step, device):
+        replay = super().__call__(run_step, device)
+        with self.monkeypatch.context() as patch, HostReads() as reads:
+            patch.setattr(transformers.utils.import_utils, "is_cuda_stream_capturing", lambda: True)
+            run_step()
+        self.seen += reads.seen
+        return replay
+
+
+def test_the_host_read_check_sees_a_host_read():
+    with HostReads() as reads:
+        tensor = torch.tensor([1, 0])
+        bool(tensor.any()), tensor.nonzero()
+    assert reads.seen == ["_local_scalar_dense", "nonzero"]
+
+
+@pytest.mark.parametrize(
+    "build, backend",
+    [(tiny_gpt2, "transformers_static"), (tiny_qwen2, "transformers_static"), (tiny_llama, "llama_static")],
+    ids=["gpt2", "qwen2", "llama"],
+)
+@pytest.mark.parametrize("copy", [False, True], ids=["model", "generation-copy"])
+def test_the_captured_step_reads_nothing_back_to_the_host(build, backend, copy, monkeypatch):
+    """The whole step, the model's forward, its masks and the sampling, makes no host read: a CUDA
+    capture of it does not fail for want of one (the generation copy's one-token attention too)."""
+    check = SyncCheck(monkeypatch)
+    monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
+    monkeypatch.setattr(fixed_shape, "capture", check)
+    model = GenerationCopy(build(), torch.float32).refresh() if copy else build().eval()
+    generate(model, *prompts(), sampling(top_p=0.9, repetition_penalty=1.2), backend)
+    assert check.captures == 1 and check.seen == []
+
+
+def test_which_models_decode_in_fixed_shapes():
+    assert static_cache_problem(tiny_gpt2()) is None and static_cache_problem(tiny_qwen2()) is None
+    assert "sliding-window" in static_cache_problem(tiny_mistral())
+    assert "not a transformers model" in static_cache_problem(lora_gpt2())
+    assert type(decoder_for(tiny_gpt2(), 3)) is TransformersDecoder  # the CPU default: rows leave as they end
+    assert type(decoder_for(tiny_mistral(), 3, "transformers")) is TransformersDecoder
+    with pytest.raises(ValueError, match=r"'transformers_static' cannot decode this model: .*sliding-window"):
+        decoder_for(tiny_mistral(), 3, "transformers_static")
+    processors = logits_processors(sampling(no_repeat_ngram_size=2))
+    with pytest.raises(ValueError, match=r"\['no_repeat_ngram_size'\].*generation_backend='transformers'"):
+        decoder_for(tiny_gpt2(), 3, "transformers_static", processors)
+    config = GRPOConfig(output_dir="unused", generation_backend="transformers_static")
+    assert config.generation_backend == "transformers_static"
+
+
+def test_a_failed_capture_names_the_setting_that_avoids_it(monkeypatch):
+    def capture(run_step, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
+    monkeypatch.setattr(fixed_shape, "capture", capture)
+    with pytest.raises(
+        RuntimeError,
+        match=r"CUDA graph failed \(operation not permitted.*'transformers' to decode without CUDA graphs",
+    ):
+        generate(tiny_gpt2().eval(), *prompts(), sampling(), "transformers_static")
+
+
+@pytest.mark.cuda
+def test_auto_takes_the_fixed_shape_forward_on_a_gpu_where_transformers_allows_it():
+    assert type(decoder_for(tiny_qwen2().to("cuda"), 3)) is StaticForwardDecoder
+    assert type(decoder_for(tiny_mistral().to("cuda"), 3)) is TransformersDecoder  # sliding window
+    processors = logits_processors(sampling(no_repeat_ngram_size=2), device=torch.device("cuda"))
+    assert type(decoder_for(tiny_gpt2().to("cuda"), 3, "auto", processors)) is TransformersDecoder
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("build", [tiny_gpt2, tiny_qwen2], ids=["gpt2", "qwen2"])
+def test_cuda_graph_replay_equals_the_eager_steps(build, dtype, monkeypatch):
+    """Replayed as a CUDA graph, round after round and across two prompt buckets, the step gives
+    the tokens and log-probs of the same steps run eagerly."""
+    model = build().to("cuda", dtype).eval()
+    for seed, width in enumerate((7, 9, 20, 7)):
+        ids, mask = prompts(width, device="cuda")
+        torch.manual_seed(seed)
+        replayed = generate(model, ids, mask, sampling(top_p=0.9), "transformers_static")
+        with monkeypatch.context() as patch:
+            patch.setattr(fixed_shape, "graphs_enabled", lambda device: False)
+            torch.manual_seed(seed)
+            eager = generate(model, ids, mask, sampling(top_p=0.9), "transformers_static")
+        assert_same_rollout(replayed, eager)
+    assert all(len(state.graphs) == 1 for state in fixed_shape.buffers_of(model).states.values())
+
+
+def test_a_lora_gpt2_trains_alike_with_either_decoder(tmp_path):
+    """Two steps of GRPO on a LoRA GPT-2 (its merged generation copy decodes): the fixed-shape
+    forward samples the shrinking loop's completions, so the runs log the same rewards and lengths
+    and end with the same adapters (up to float32 rounding of the sampler's log-probs)."""
+    runs = []
+    for backend in ("transformers", "transformers_static"):
+        trainer = GRPOTrainer(
+            model=tiny_gpt2(),
+            reward_funcs=length_reward,
+            args=make_config(tmp_path / backend, generation_backend=backend),
+            train_dataset=chat_dataset(),
+            processing_class=tiny_tokenizer(),
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"]),
+        )
+        trainer.train()
+        logs = [
+            (log["reward"], log["completions/mean_length"])
+            for log in trainer.state.log_history
+            if "reward" in log
+        ]
+        adapters = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+        runs.append((logs, adapters))
+    (loop_logs, loop_adapters), (fixed_logs, fixed_adapters) = runs
+    assert len(fixed_logs) == 2 and fixed_logs == loop_logs
+    torch.testing.assert_close(fixed_adapters, loop_adapters, rtol=0, atol=1e-5)
