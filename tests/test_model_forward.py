@@ -8,6 +8,8 @@ the captured step as transformers sees it during a CUDA capture and fails on any
 synchronisation (what makes a capture fail on a GPU). The `cuda` tests replay real CUDA graphs.
 """
 
+import logging
+
 import pytest
 import torch
 import transformers.utils.import_utils
@@ -21,7 +23,7 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.engine import fixed_shape
-from grpo_hf.engine.decoding import decoder_for
+from grpo_hf.engine.decoding import FIXED_SHAPE_DECODERS, decoder_for
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.local import generate, logits_processors
 from grpo_hf.engine.model_forward import StaticForwardDecoder, TransformersDecoder, static_cache_problem
@@ -222,6 +224,33 @@ def test_a_failed_capture_names_the_setting_that_avoids_it(monkeypatch):
         match=r"CUDA graph failed \(operation not permitted.*'transformers' to decode without CUDA graphs",
     ):
         generate(tiny_gpt2().eval(), *prompts(), sampling(), "transformers_static")
+
+
+@pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+def test_auto_goes_on_with_the_loop_after_a_failed_capture(build, monkeypatch, caplog):
+    """Where steps are captured (a GPU; here `graphs_enabled` says so), 'auto' decodes in fixed
+    shapes. A failed capture is a warning, not the end of the run: the call's tokens are the
+    shrinking loop's for the same seed, and later calls decode with the loop without capturing."""
+    attempts = []
+
+    def capture(run_step, device):
+        attempts.append(device)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    model, (ids, mask) = build().eval(), prompts()
+    torch.manual_seed(0)
+    loop = generate(model, ids, mask, sampling(), "llama" if build is tiny_llama else "transformers")
+    monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
+    monkeypatch.setattr(fixed_shape, "capture", capture)
+    assert isinstance(decoder_for(model, 16), FIXED_SHAPE_DECODERS)
+    for _ in range(2):
+        torch.manual_seed(0)
+        with caplog.at_level(logging.WARNING):
+            assert_same_rollout(generate(model, ids, mask, sampling(), "auto"), loop)
+    assert len(attempts) == 1
+    assert "operation not permitted" in caplog.text and "'auto' goes on decoding this model" in caplog.text
+    assert not isinstance(decoder_for(model, 16), FIXED_SHAPE_DECODERS)
+    assert not fixed_shape.buffers_of(model).states  # the buckets' memory freed
 
 
 @pytest.mark.cuda

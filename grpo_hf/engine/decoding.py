@@ -374,8 +374,9 @@ def decoder_for(
     a CUDA device it decodes in fixed shapes, each step a CUDA graph, unless a logits processor of
     the call's `processors` needs the shrinking loop: `StaticLlamaDecoder` (compiled where Triton
     is installed), or for other models `StaticForwardDecoder` where transformers can run their
-    forward on a static cache (`static_cache_problem`). Elsewhere rows leave as they end (what a
-    CPU's step costs): `LlamaDecoder`, `TransformersDecoder`. 'llama' / 'llama_static' /
+    forward on a static cache (`static_cache_problem`); after a failed capture of a model's step, no
+    more. Elsewhere rows leave as they end (what a CPU's step costs): `LlamaDecoder`,
+    `TransformersDecoder`. 'llama' / 'llama_static' /
     'transformers' / 'transformers_static' insist on one; 'llama_compiled' is 'llama_static' with
     its step compiled (`compiled_forward`).
     """
@@ -394,9 +395,7 @@ def decoder_for(
             f"generation_backend={backend!r} decodes in fixed shapes, which the sampling settings {variable} "
             f"do not allow; drop them from generation_kwargs or set generation_backend={shrinking} (or 'auto')."
         )
-    fixed = backend in STATIC_DECODERS or (
-        backend == "auto" and not variable and next(model.parameters()).device.type == "cuda"
-    )
+    fixed = backend in STATIC_DECODERS or (backend == "auto" and not variable and _graphs_for(model))
     if not plain_llama or backend.startswith("transformers"):
         return _forward_decoder(model, max_new_tokens, backend, fixed)
     if fixed:
@@ -405,6 +404,13 @@ def decoder_for(
         )
         return StaticLlamaDecoder(model, max_new_tokens, compiled=compiled)
     return LlamaDecoder(model, max_new_tokens)
+
+
+def _graphs_for(model: nn.Module) -> bool:
+    """Whether 'auto' decodes `model` in fixed shapes: where its steps are captured as CUDA graphs,
+    unless a capture of its step failed (`fixed_shape.give_up`)."""
+    device = next(model.parameters()).device
+    return fixed_shape.graphs_enabled(device) and not fixed_shape.buffers_of(model).capture_failed
 
 
 def _forward_decoder(

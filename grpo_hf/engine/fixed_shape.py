@@ -108,6 +108,10 @@ def graphs_enabled(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+class CaptureFailed(RuntimeError):
+    """Capturing a decoding step as a CUDA graph failed; the message names the setting that avoids it."""
+
+
 class JoinedWeights:
     """Groups of weights as one matrix each, at a fixed address (a graph reads its weights where it
     was captured). A group of one is its weight itself; a joined group is rewritten in place when
@@ -181,11 +185,13 @@ class DecodeState:
 
 
 class ModelBuffers:
-    """What a model keeps between calls: its joined weights and its recent buckets' states."""
+    """What a model keeps between calls: its joined weights and its recent buckets' states, and
+    whether a capture of its step failed (`give_up`)."""
 
     def __init__(self):
         self.joins = JoinedWeights()
         self.states: OrderedDict[tuple[int, int, int], DecodeState] = OrderedDict()
+        self.capture_failed = False
 
     def state(self, prompt_ids: torch.Tensor, new_tokens: int, vocab: int) -> DecodeState:
         """The state of the bucket of (B, P) prompts and `new_tokens` columns, made on first use."""
@@ -206,6 +212,18 @@ _BUFFERS: "weakref.WeakKeyDictionary[nn.Module, ModelBuffers]" = weakref.WeakKey
 def buffers_of(model: nn.Module) -> ModelBuffers:
     """`model`'s `ModelBuffers`, kept as long as the model lives."""
     return _BUFFERS.setdefault(model, ModelBuffers())
+
+
+def give_up(model: nn.Module, error: CaptureFailed) -> None:
+    """After a failed capture under generation_backend='auto': `model`'s buckets freed, and auto
+    decodes it with rows leaving as they end from then on (`capture_failed`), saying so once."""
+    buffers = buffers_of(model)
+    buffers.capture_failed = True
+    buffers.states.clear()
+    logger.warning(
+        "%s generation_backend='auto' goes on decoding this model with rows leaving the batch as they end.",
+        error,
+    )
 
 
 def padded(
@@ -296,7 +314,7 @@ def graph_for(
     try:
         replay = capture(run_step, state.t.device)
     except RuntimeError as error:
-        raise RuntimeError(
+        raise CaptureFailed(
             f"Capturing the decoding step as a CUDA graph failed ({error}); {fallback}."
         ) from error
     state.capture_seconds = time.perf_counter() - start

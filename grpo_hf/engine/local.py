@@ -216,8 +216,13 @@ def _decode(
         else None
     )  # (N, B, 1)
     if isinstance(decoder, FIXED_SHAPE_DECODERS):  # keeps its rows and samples inside its step
-        choose = functools.partial(next_tokens, processors)
-        return fixed_shape.decode(decoder, prompt_ids, prompt_mask, config, choose, uniforms, all_done)
+        decoded = _decode_fixed(
+            decoder, prompt_ids, prompt_mask, config, processors, uniforms, all_done, backend
+        )
+        if decoded is not None:
+            return decoded
+        # 'auto' after a failed capture: the shrinking loop's decoder from now on
+        decoder = decoder_for(model, config.max_new_tokens, backend, processors)
     logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
     eos = torch.tensor(
         config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id],
@@ -248,6 +253,29 @@ def _decode(
             sequence = torch.cat([sequence, token.unsqueeze(1)], dim=1)  # (R', P + t)
         logits = decoder(token)  # (R', V)
     return new_tokens[:, : step + 1], new_logps[:, : step + 1]  # (B, C), (B, C)
+
+
+def _decode_fixed(
+    decoder,  # one of FIXED_SHAPE_DECODERS
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    config: GenerationConfig,
+    processors: LogitsProcessorList,
+    uniforms: torch.Tensor | None,
+    all_done: Callable[[bool], bool] | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A fixed-shape decoder's (B, C) tokens and log-probs; None where capturing its step failed
+    under 'auto', which then decodes the model with rows leaving as they end (`fixed_shape.give_up`).
+    An explicit backend's failed capture is an error naming the setting that avoids it."""
+    choose = functools.partial(next_tokens, processors)
+    try:
+        return fixed_shape.decode(decoder, prompt_ids, prompt_mask, config, choose, uniforms, all_done)
+    except fixed_shape.CaptureFailed as error:
+        if backend != "auto":
+            raise
+        fixed_shape.give_up(decoder.model, error)
+        return None
 
 
 class LocalGenerator(Generator):
