@@ -376,9 +376,8 @@ def decoder_for(
     is installed), or for other models `StaticForwardDecoder` where transformers can run their
     forward on a static cache (`static_cache_problem`); after a failed capture of a model's step, no
     more. Elsewhere rows leave as they end (what a CPU's step costs): `LlamaDecoder`,
-    `TransformersDecoder`. 'llama' / 'llama_static' /
-    'transformers' / 'transformers_static' insist on one; 'llama_compiled' is 'llama_static' with
-    its step compiled (`compiled_forward`).
+    `TransformersDecoder`. 'llama' / 'llama_static' / 'transformers' / 'transformers_static'
+    insist on one; 'llama_compiled' is 'llama_static' with its step compiled (`compiled_forward`).
     """
     if backend not in DECODERS:
         raise ValueError(f"generation_backend={backend!r} is not one of {DECODERS}.")
@@ -417,8 +416,10 @@ def _forward_decoder(
     model: nn.Module, max_new_tokens: int, backend: str, fixed: bool
 ) -> TransformersDecoder | StaticForwardDecoder:
     """The model's own forward: in fixed shapes where asked and transformers allows it."""
-    problem = static_cache_problem(model) if fixed else "not asked for"
-    if backend == "transformers_static" and problem:
+    if not fixed:
+        return TransformersDecoder(model)
+    problem = static_cache_problem(model)
+    if problem and backend == "transformers_static":
         raise ValueError(
             f"generation_backend='transformers_static' cannot decode this model: {problem}; set "
             "generation_backend='transformers' (or 'auto')."

@@ -1,5 +1,5 @@
 """Decoding through the model's own forward, for every architecture `decoding.LlamaDecoder` does not
-reproduce (GPT-2, Qwen2, Phi-3, a Llama with biases, a PEFT wrapper, sharded weights, ...).
+reproduce (GPT-2, Qwen2, a Llama with biases, a PEFT wrapper, sharded weights, ...).
 
 `TransformersDecoder` is our shrinking loop's: a `DynamicCache`, rows leaving as they end. On a GPU
 its step is as much kernel launches and Python as Llama's was (issue 30), so `StaticForwardDecoder`
