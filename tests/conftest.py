@@ -1,5 +1,5 @@
 """Tests marked `cuda` need a CUDA GPU: skipped, saying so, where there is none. The `eager_graphs`
-fixture stands in for the fixed-shape decoders' CUDA graph capture on the CPU."""
+and `failing_capture` fixtures stand in for the fixed-shape decoders' CUDA graph capture on the CPU."""
 
 import pytest
 import torch
@@ -36,3 +36,18 @@ def eager_graphs(monkeypatch) -> EagerCapture:
     monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
     monkeypatch.setattr(fixed_shape, "capture", capture)
     return capture
+
+
+@pytest.fixture
+def failing_capture(monkeypatch) -> list:
+    """Steps are captured (as on a GPU) and every capture fails as a refused operation would; the
+    list holds each attempt's device."""
+    attempts = []
+
+    def capture(run_step, device):
+        attempts.append(device)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
+    monkeypatch.setattr(fixed_shape, "capture", capture)
+    return attempts

@@ -41,10 +41,10 @@ def sampling(**knobs) -> GenerationConfig:
     return GenerationConfig(**(settings | knobs))
 
 
-def decode_both(model, config, ids, mask, seed: int = 0):
-    """The shrinking loop's rollout and the fixed-shape one's, each drawn from `seed`."""
+def decode_both(model, config, ids, mask, seed: int = 0, backends=("llama", "llama_static")):
+    """The shrinking loop's rollout and the fixed-shape one's (`backends`), each drawn from `seed`."""
     rollouts = []
-    for backend in ("llama", "llama_static"):
+    for backend in backends:
         torch.manual_seed(seed)
         rollouts.append(generate(model, ids, mask, config, backend))
     return rollouts
@@ -77,9 +77,11 @@ def test_fixed_shapes_sample_the_loops_tokens(build, knobs):
         assert len(set(lengths.tolist())) >= 3, lengths
 
 
-def lora_policy() -> torch.nn.Module:
-    """A tiny Llama with LoRA on every linear layer, its B matrices non-zero (trained)."""
-    policy = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS))
+def lora_policy(model: torch.nn.Module | None = None, targets: list[str] = LORA_TARGETS) -> torch.nn.Module:
+    """A tiny model (a Llama, LoRA on every linear layer, by default) with LoRA on `targets`, its B
+    matrices non-zero (trained)."""
+    model = tiny_llama() if model is None else model
+    policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     torch.manual_seed(1)
     with torch.no_grad():
         for name, param in policy.named_parameters():
@@ -124,33 +126,43 @@ def test_one_capture_per_bucket_and_sampling_settings(eager_graphs):
     assert list(fixed_shape.buffers_of(model).states) == [(8, 32, 16), (8, 16, 16)]  # most recent last
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_weights_refreshed_between_rounds_reach_the_replayed_step(device, request):
-    """A LoRA policy's generation copy, refreshed in place after each 'optimizer step' that moves
-    one kind of adapter (a joined q/k/v or gate/up buffer, or a weight read where it lies): the
-    replayed step's greedy tokens change and are those of eager steps on the new weights. A step
-    that read stale weights would repeat the previous round's tokens."""
-    if device == "cpu":
-        request.getfixturevalue("eager_graphs")
-    policy = lora_policy().to(device)
+def check_refreshed_weights_reach_the_replay(policy, device: str, backends: tuple[str, str], moved: tuple):
+    """`policy`'s generation copy, refreshed in place after each 'optimizer step' that moves the
+    LoRA B matrices of one of `moved`: the fixed-shape backend's (`backends[1]`) replayed greedy
+    tokens change, and are those of eager steps on the new weights and of the shrinking loop
+    (`backends[0]`). A step that read stale weights would repeat the previous round's tokens."""
+    loop_backend, backend = backends
     copy = GenerationCopy(policy, torch.float32)
     ids, mask = prompts(device=device)
     config = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=[2])
-    previous = generate(copy.refresh(), ids, mask, config, "llama_static").completion_ids
+    previous = generate(copy.refresh(), ids, mask, config, backend).completion_ids
     numbers = torch.Generator().manual_seed(0)  # on the CPU: the same steps on every device
-    for moved in ("q_proj", "o_proj", "gate_proj", "down_proj"):
+    for kind in moved:
         with torch.no_grad():
             for name, param in policy.named_parameters():
-                if f"{moved}.lora_B" in name:
+                if f"{kind}.lora_B" in name:
                     param.add_(torch.randn(param.shape, generator=numbers).to(device))
         copy.refresh()
-        replayed = generate(copy.model, ids, mask, config, "llama_static").completion_ids
+        replayed = generate(copy.model, ids, mask, config, backend).completion_ids
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(fixed_shape, "graphs_enabled", lambda device: False)
-            eager = generate(copy.model, ids, mask, config, "llama_static").completion_ids
-        assert torch.equal(replayed, eager), moved
-        assert not torch.equal(replayed, previous), moved
+            eager = generate(copy.model, ids, mask, config, backend).completion_ids
+        loop = generate(copy.model, ids, mask, config, loop_backend).completion_ids
+        assert torch.equal(replayed, eager) and torch.equal(replayed, loop), kind
+        assert not torch.equal(replayed, previous), kind
         previous = replayed
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weights_refreshed_between_rounds_reach_the_replayed_step(device, request):
+    """A LoRA Llama, one kind of adapter moved per round: a joined q/k/v or gate/up buffer, or a
+    weight read where it lies."""
+    if device == "cpu":
+        request.getfixturevalue("eager_graphs")
+    moved = ("q_proj", "o_proj", "gate_proj", "down_proj")
+    check_refreshed_weights_reach_the_replay(
+        lora_policy().to(device), device, ("llama", "llama_static"), moved
+    )
 
 
 def test_a_weight_replaced_by_a_new_tensor_is_captured_again(eager_graphs):
@@ -165,12 +177,7 @@ def test_a_weight_replaced_by_a_new_tensor_is_captured_again(eager_graphs):
     assert eager_graphs.captures == 2
 
 
-def test_a_failed_capture_names_the_setting_that_avoids_it(monkeypatch):
-    def capture(run_step, device):
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
-    monkeypatch.setattr(fixed_shape, "capture", capture)
+def test_a_failed_capture_names_the_setting_that_avoids_it(failing_capture):
     ids, mask = prompts()
     with pytest.raises(
         RuntimeError, match=r"CUDA graph failed \(operation not permitted.*'llama_static'.*or 'llama' without"

@@ -14,12 +14,19 @@ import pytest
 import torch
 import transformers.utils.import_utils
 from conftest import EagerCapture
-from peft import LoraConfig, get_peft_model
-from test_fixed_shape import assert_same_rollout, prompts, sampling
+from peft import LoraConfig
+from test_fixed_shape import (
+    assert_same_rollout,
+    check_refreshed_weights_reach_the_replay,
+    decode_both,
+    lora_policy,
+    prompts,
+    sampling,
+)
 from tiny_models import LLAMA_LIKE, tiny_gpt2, tiny_llama, tiny_mistral, tiny_tokenizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from trainer_helpers import chat_dataset, length_reward, make_config
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.engine import fixed_shape
@@ -28,6 +35,7 @@ from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.local import generate, logits_processors
 from grpo_hf.engine.model_forward import StaticForwardDecoder, TransformersDecoder, static_cache_problem
 
+FORWARD = ("transformers", "transformers_static")  # the shrinking loop, the fixed-shape path
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
@@ -35,15 +43,6 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
     """Biases on q/k/v: not a model `LlamaDecoder` reproduces."""
     torch.manual_seed(0)
     return Qwen2ForCausalLM(Qwen2Config(vocab_size=259, **LLAMA_LIKE))
-
-
-def decode_both(model, config, ids, mask, seed: int = 0):
-    """The shrinking loop's rollout and the fixed-shape one's, both through `model`'s forward."""
-    rollouts = []
-    for backend in ("transformers", "transformers_static"):
-        torch.manual_seed(seed)
-        rollouts.append(generate(model, ids, mask, config, backend))
-    return rollouts
 
 
 @pytest.mark.parametrize(
@@ -60,7 +59,7 @@ def decode_both(model, config, ids, mask, seed: int = 0):
 def test_fixed_shapes_sample_the_loops_tokens(build, knobs):
     model, (ids, mask) = build().eval(), prompts()
     assert type(decoder_for(model, 16, "transformers_static")) is StaticForwardDecoder
-    loop, fixed = decode_both(model, sampling(**knobs), ids, mask)
+    loop, fixed = decode_both(model, sampling(**knobs), ids, mask, backends=FORWARD)
     assert_same_rollout(fixed, loop)
     lengths = loop.completion_mask.sum(1)
     if knobs.get("do_sample", True):  # rows end at different steps
@@ -69,13 +68,7 @@ def test_fixed_shapes_sample_the_loops_tokens(build, knobs):
 
 def lora_gpt2():
     """A tiny GPT-2 with LoRA on its attention and MLP (Conv1D) layers, B matrices non-zero."""
-    policy = get_peft_model(tiny_gpt2(), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"]))
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
-    return policy
+    return lora_policy(tiny_gpt2(), ["c_attn", "c_fc"])
 
 
 def test_one_capture_per_bucket_and_the_warm_up_steps_leave_no_trace(eager_graphs):
@@ -84,7 +77,7 @@ def test_one_capture_per_bucket_and_the_warm_up_steps_leave_no_trace(eager_graph
     model = tiny_qwen2().eval()
     rounds = [(prompts(7), 1), (prompts(9), 1), (prompts(20), 2), (prompts(7), 2)]
     for seed, ((ids, mask), captures) in enumerate(rounds):
-        loop, fixed = decode_both(model, sampling(top_p=0.9), ids, mask, seed)
+        loop, fixed = decode_both(model, sampling(top_p=0.9), ids, mask, seed, FORWARD)
         assert_same_rollout(fixed, loop)
         assert eager_graphs.captures == captures
     assert list(fixed_shape.buffers_of(model).states) == [(8, 32, 16), (8, 16, 16)]
@@ -106,31 +99,11 @@ def test_both_kinds_of_fixed_shape_decoder_share_a_models_buckets(eager_graphs):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_weights_refreshed_between_rounds_reach_the_replayed_step(device, request):
-    """A LoRA GPT-2's generation copy (its float32 one-token attention, `decode_attention`),
-    refreshed in place after each 'optimizer step': the replayed step's greedy tokens change, and
-    are those of eager steps on the new weights. A stale-weights step would repeat the last round."""
+    """A LoRA GPT-2's generation copy (its float32 one-token attention, `decode_attention`), its
+    attention or its MLP adapters moved per round (`check_refreshed_weights_reach_the_replay`)."""
     if device == "cpu":
         request.getfixturevalue("eager_graphs")
-    policy = lora_gpt2().to(device)
-    copy = GenerationCopy(policy, torch.float32)
-    ids, mask = prompts(device=device)
-    config = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=[2])
-    previous = generate(copy.refresh(), ids, mask, config, "transformers_static").completion_ids
-    numbers = torch.Generator().manual_seed(0)  # on the CPU: the same steps on every device
-    for moved in ("c_attn", "c_fc"):
-        with torch.no_grad():
-            for name, param in policy.named_parameters():
-                if f"{moved}.lora_B" in name:
-                    param.add_(torch.randn(param.shape, generator=numbers).to(device))
-        copy.refresh()
-        replayed = generate(copy.model, ids, mask, config, "transformers_static").completion_ids
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(fixed_shape, "graphs_enabled", lambda device: False)
-            eager = generate(copy.model, ids, mask, config, "transformers_static").completion_ids
-        loop = generate(copy.model, ids, mask, config, "transformers").completion_ids
-        assert torch.equal(replayed, eager) and torch.equal(replayed, loop), moved
-        assert not torch.equal(replayed, previous), moved
-        previous = replayed
+    check_refreshed_weights_reach_the_replay(lora_gpt2().to(device), device, FORWARD, ("c_attn", "c_fc"))
 
 
 SYNCING_OPS = {
@@ -213,12 +186,7 @@ def test_which_models_decode_in_fixed_shapes():
     assert config.generation_backend == "transformers_static"
 
 
-def test_a_failed_capture_names_the_setting_that_avoids_it(monkeypatch):
-    def capture(run_step, device):
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
-    monkeypatch.setattr(fixed_shape, "capture", capture)
+def test_a_failed_capture_names_the_setting_that_avoids_it(failing_capture):
     with pytest.raises(
         RuntimeError,
         match=r"CUDA graph failed \(operation not permitted.*'transformers' to decode without CUDA graphs",
@@ -227,27 +195,19 @@ def test_a_failed_capture_names_the_setting_that_avoids_it(monkeypatch):
 
 
 @pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
-def test_auto_goes_on_with_the_loop_after_a_failed_capture(build, monkeypatch, caplog):
+def test_auto_goes_on_with_the_loop_after_a_failed_capture(build, monkeypatch, caplog, failing_capture):
     """Where steps are captured (a GPU; here `graphs_enabled` says so), 'auto' decodes in fixed
     shapes. A failed capture is a warning, not the end of the run: the call's tokens are the
     shrinking loop's for the same seed, and later calls decode with the loop without capturing."""
-    attempts = []
-
-    def capture(run_step, device):
-        attempts.append(device)
-        raise RuntimeError("operation not permitted when stream is capturing")
-
     model, (ids, mask) = build().eval(), prompts()
     torch.manual_seed(0)
     loop = generate(model, ids, mask, sampling(), "llama" if build is tiny_llama else "transformers")
-    monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
-    monkeypatch.setattr(fixed_shape, "capture", capture)
     assert isinstance(decoder_for(model, 16), FIXED_SHAPE_DECODERS)
     for _ in range(2):
         torch.manual_seed(0)
         with caplog.at_level(logging.WARNING):
             assert_same_rollout(generate(model, ids, mask, sampling(), "auto"), loop)
-    assert len(attempts) == 1
+    assert len(failing_capture) == 1
     assert "operation not permitted" in caplog.text and "'auto' goes on decoding this model" in caplog.text
     assert not isinstance(decoder_for(model, 16), FIXED_SHAPE_DECODERS)
     assert not fixed_shape.buffers_of(model).states  # the buckets' memory freed
