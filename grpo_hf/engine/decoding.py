@@ -307,11 +307,8 @@ class StaticLlamaDecoder(LlamaDecoder):
         attention bias and rotations copied into the state's buffers."""
         self.state = state
         logits = super().prefill(prompt_ids, prompt_mask)  # (R, V)
-        buffers = self.state.own(self)
         for name in ("mask", "cos", "signed_sin"):
-            if name not in buffers:
-                buffers[name] = torch.empty_like(getattr(self, name))
-            setattr(self, name, buffers[name].copy_(getattr(self, name)))
+            setattr(self, name, state.held(self, name, getattr(self, name)))
         return logits
 
     def forward(self, token: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -167,6 +167,14 @@ class DecodeState:
         """The buffers of `decoder`'s kind in this bucket (kinds keep their caches apart)."""
         return self.decoders.setdefault(type(decoder).__name__, {})
 
+    def held(self, decoder, name: str, value: torch.Tensor) -> torch.Tensor:
+        """`value` copied into this bucket's buffer `name` of `decoder`'s kind (made on first use):
+        the tensor a captured step reads, at the same address call after call."""
+        buffers = self.own(decoder)
+        if name not in buffers:
+            buffers[name] = torch.empty_like(value)
+        return buffers[name].copy_(value)
+
     def begin(
         self, sequence: torch.Tensor, logits: torch.Tensor, uniforms: torch.Tensor | None, rows: int, pad: int
     ) -> None:

@@ -107,16 +107,15 @@ class StaticForwardDecoder:
         visible = F.pad(prompt_mask, (0, state.new_tokens), value=1)  # (R, P + N)
         first = position_ids_from_mask(prompt_mask)[:, -1:] + 1  # (R, 1)
         positions = first + torch.arange(state.new_tokens, device=first.device)  # (R, N)
-        for name, value in (("mask", visible), ("positions", positions)):
-            buffers[name] = buffers[name].copy_(value) if name in buffers else value.clone()
-        self.mask, self.positions = buffers["mask"], buffers["positions"]
+        self.mask = state.held(self, "mask", visible)
+        self.positions, self.prompt_width = state.held(self, "positions", positions), prompt_ids.shape[1]
         return logits.float()
 
     def forward(self, token: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Feed (R,) tokens at step `t` ((1,) on the device); (R, V) float32 logits. Each cache
         layer writes at its length, a device tensor its update advances: set to column P + t here,
         so steps run before a capture (its warm-up) leave no trace."""
-        column = t.squeeze(0) + self.mask.shape[1] - self.positions.shape[1]  # () P + t
+        column = t.squeeze(0) + self.prompt_width  # () P + t
         for layer in self.cache.layers:
             layer.cumulative_length.copy_(column)
         out = self.model(
