@@ -357,8 +357,10 @@ def compiled_forward() -> Callable:
     return compile_step()
 
 
-DECODERS = ("auto", "llama", "llama_static", "llama_compiled", "transformers")
-STATIC_DECODERS = ("llama_static", "llama_compiled")
+DECODERS = ("auto", "llama", "llama_static", "llama_compiled", "transformers", "transformers_static")
+LLAMA_STATIC = ("llama_static", "llama_compiled")
+STATIC_DECODERS = (*LLAMA_STATIC, "transformers_static")
+FIXED_SHAPE_DECODERS = (StaticLlamaDecoder, StaticForwardDecoder)
 
 
 def decoder_for(
@@ -422,9 +424,3 @@ def _forward_decoder(
             "generation_backend='transformers' (or 'auto')."
         )
     return TransformersDecoder(model) if problem else StaticForwardDecoder(model, max_new_tokens)
-
-
-DECODERS = ("auto", "llama", "llama_static", "llama_compiled", "transformers", "transformers_static")
-LLAMA_STATIC = ("llama_static", "llama_compiled")
-STATIC_DECODERS = (*LLAMA_STATIC, "transformers_static")
-FIXED_SHAPE_DECODERS = (StaticLlamaDecoder, StaticForwardDecoder)
