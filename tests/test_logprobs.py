@@ -2,11 +2,15 @@
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
+from peft import LoraConfig, get_peft_model
 from test_token_scores import direct
 from tiny_models import tiny_gpt2, tiny_llama, tiny_mistral
+from transformers import LlamaForCausalLM
 
 from grpo_hf.engine import logprobs
-from grpo_hf.engine.logprobs import completion_logps, position_ids_from_mask
+from grpo_hf.engine.logprobs import cache_keyword, completion_logps, position_ids_from_mask
 
 
 def test_position_ids_skip_left_padding():
@@ -142,3 +146,28 @@ def test_either_attention_kernel_gives_the_same_logps(monkeypatch):
     default_logps, _ = completion_logps(model, ids, mask, width)
     assert kernels == [logprobs.SDPBackend.MATH]  # not asked again: SDPA picks
     torch.testing.assert_close(math_logps, default_logps, rtol=1e-5, atol=1e-5)
+
+
+RENAMED = Version(transformers.__version__) >= Version("5.24")  # past_key_values -> cache
+CURRENT = "cache" if RENAMED else "past_key_values"
+
+
+class OldStyleLlama(LlamaForCausalLM):
+    """A remote-code model written before transformers renamed its forward's cache argument."""
+
+    def forward(self, input_ids=None, past_key_values=None, **kwargs):
+        return super().forward(input_ids=input_ids, **{CURRENT: past_key_values}, **kwargs)
+
+
+def test_the_cache_goes_by_the_name_the_models_forward_takes():
+    model = tiny_llama()
+    assert cache_keyword(model) == CURRENT
+    assert cache_keyword(get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"]))) == CURRENT
+    old_style = OldStyleLlama(model.config)
+    old_style.load_state_dict(model.state_dict())
+    assert cache_keyword(old_style) == "past_key_values"
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    with torch.no_grad():  # the distinct prompts' cache handed on by the name each forward takes
+        expected = logprobs.completion_logits(model, ids, mask, 2)
+        assert torch.equal(logprobs.completion_logits(old_style, ids, mask, 2), expected)

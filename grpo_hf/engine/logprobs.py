@@ -24,11 +24,13 @@ models it runs every row whole (see `completion_logps`).
 """
 
 import contextlib
+import functools
+import inspect
 
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from grpo_hf.engine.packing import PackedRows, can_pack, packed_forward, unwrapped
 from grpo_hf.engine.token_scores import head_token_logps, token_logps_and_entropy
@@ -54,6 +56,21 @@ def unique_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[to
     return new.nonzero().squeeze(1), new.long().cumsum(dim=0) - 1  # (U,), (B,)
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword by which `model`'s forward takes a KV cache: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name warns, and goes in 5.40); earlier versions and
+    remote-code models keep the old one. A PEFT, DDP or DeepSpeed wrapper hands it on to the
+    transformers model inside, whose forward decides."""
+    inner = next((module for module in model.modules() if isinstance(module, PreTrainedModel)), model)
+    return _forward_cache_keyword(type(inner))
+
+
+@functools.cache
+def _forward_cache_keyword(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 def prefill_prompts(
     model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
 ) -> tuple[torch.Tensor, DynamicCache]:
@@ -64,8 +81,8 @@ def prefill_prompts(
         input_ids=prompt_ids[first],
         attention_mask=prompt_mask[first],
         position_ids=position_ids_from_mask(prompt_mask[first]),
-        past_key_values=cache,
         use_cache=True,
+        **{cache_keyword(model): cache},
         logits_to_keep=1,
     )
     cache.batch_select_indices(row_to_unique)  # an index op: differentiable
@@ -111,8 +128,8 @@ def completion_logits(
         input_ids=input_ids[:, prompt_length:],
         attention_mask=attention_mask,
         position_ids=positions[:, prompt_length:],
-        past_key_values=cache,
         use_cache=True,
+        **{cache_keyword(model): cache},
     )
     return torch.cat([first.unsqueeze(1), out.logits[:, :-1]], dim=1)  # (B, C, V)
 

@@ -23,14 +23,14 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from grpo_hf.engine import fixed_shape
-from grpo_hf.engine.logprobs import position_ids_from_mask, prefill_prompts
+from grpo_hf.engine.logprobs import cache_keyword, position_ids_from_mask, prefill_prompts
 
 
 class TransformersDecoder:
     """Prefill and decoding steps through the model's own forward and a `DynamicCache`."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
+        self.model, self.cache_keyword = model, cache_keyword(model)
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
         """Run the (B, P) left-padded prompts (each distinct one once); (B, V) float32 next-token logits."""
@@ -46,8 +46,8 @@ class TransformersDecoder:
             input_ids=token.unsqueeze(1),
             attention_mask=self.attention,
             position_ids=self.position,
-            past_key_values=self.cache,
             use_cache=True,
+            **{self.cache_keyword: self.cache},
         )
         self.position = self.position + 1
         return out.logits[:, -1].float()  # (B, V)
@@ -87,6 +87,7 @@ class StaticForwardDecoder:
 
     def __init__(self, model: nn.Module, max_new_tokens: int):
         self.model, self.max_new_tokens = model, fixed_shape.bucket(max_new_tokens)
+        self.cache_keyword = cache_keyword(model)
         self.vocab = model.get_output_embeddings().weight.shape[0]
 
     def prefill(
@@ -122,8 +123,8 @@ class StaticForwardDecoder:
             input_ids=token.unsqueeze(1),
             attention_mask=self.mask,  # (R, P + N): prompt padding; columns past P + t are causal-masked
             position_ids=self.positions.index_select(1, t),  # (R, 1)
-            past_key_values=self.cache,
             use_cache=True,
+            **{self.cache_keyword: self.cache},
         )
         return out.logits[:, -1].float()  # (R, V)
 
