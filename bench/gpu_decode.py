@@ -20,8 +20,8 @@ its own generate timer; peak memory the last step's `torch.cuda.max_memory_alloc
 the worker's peak RSS). The reference process generates `--reference-rows` x `--reference-tokens`
 from the smol model with transformers' `generate` on a static cache (compiled on CUDA) and with our
 decoders (generation_backend 'llama_static', 'llama' and 'transformers_static', the fixed-shape path
-of models other than Llama, through the model's own forward; on CUDA 'llama_compiled' too, compiled
-as theirs is): each line's tokens/s is its second call's; its first call's seconds (compilation, or
+of models other than Llama, through the model's own forward; on CUDA 'llama_compiled' and
+'transformers_compiled' too, compiled as theirs is): each line's tokens/s is its second call's; its first call's seconds (compilation, or
 the CUDA graph capture) are printed beside.
 TRL is needed only for its side (`pip install -e ".[bench]"`); without it that side is skipped and
 the output says so. Results: bench/results/gpu_decode.json.
@@ -68,6 +68,7 @@ WORKLOADS = {  # name: (shape, prompts per step, G, max completion length, LoRA)
     "smol-full-8x8-256": ("smol", 8, 8, 256, False),
 }
 REFERENCE_BACKENDS = ("llama_static", "llama", "transformers_static")
+COMPILED_BACKENDS = ("llama_compiled", "transformers_compiled")  # on CUDA, where theirs compiles too
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -212,7 +213,7 @@ def reference(spec: dict) -> dict:
             eos,
         )
     }
-    for backend in REFERENCE_BACKENDS + (("llama_compiled",) if device == "cuda" else ()):  # as theirs
+    for backend in REFERENCE_BACKENDS + (COMPILED_BACKENDS if device == "cuda" else ()):  # as theirs
         lines[f"ours_{backend}"] = timed(
             lambda b=backend: generate(model, ids, mask, ours, b).completion_ids, eos
         )

@@ -1,8 +1,12 @@
 """Tests marked `cuda` need a CUDA GPU: skipped, saying so, where there is none. The `eager_graphs`
-and `failing_capture` fixtures stand in for the fixed-shape decoders' CUDA graph capture on the CPU."""
+and `failing_capture` fixtures stand in for the fixed-shape decoders' CUDA graph capture on the CPU;
+`cheap_compile` and `inductor_compile` count the compilations of their compiled steps."""
+
+import functools
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 from grpo_hf.engine import fixed_shape
 
@@ -51,3 +55,26 @@ def failing_capture(monkeypatch) -> list:
     monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
     monkeypatch.setattr(fixed_shape, "capture", capture)
     return attempts
+
+
+def counted_compile(monkeypatch, backend: str) -> CompileCounterWithBackend:
+    """The fixed-shape decoders' compiled steps (`fixed_shape.compiled_step`) through `backend`,
+    counting their compilations (nothing compiled by an earlier test reused)."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    compiled = functools.cache(lambda eager_forward: fixed_shape.compile_step(eager_forward, counter))
+    monkeypatch.setattr(fixed_shape, "compiled_step", compiled)
+    return counter
+
+
+@pytest.fixture
+def cheap_compile(monkeypatch) -> CompileCounterWithBackend:
+    """Traced by dynamo and AOTAutograd as on a GPU, the kernels left to eager ops."""
+    return counted_compile(monkeypatch, "aot_eager")
+
+
+@pytest.fixture
+def inductor_compile(monkeypatch) -> CompileCounterWithBackend:
+    """The product's backend, inductor, generating C++ for the CPU where a GPU gets Triton (the
+    lowering, symbolic shapes included, is the same; ~25 s of C++ builds here with a cold cache)."""
+    return counted_compile(monkeypatch, "inductor")

@@ -14,11 +14,10 @@ import torch
 from peft import LoraConfig, get_peft_model
 from test_decoding import llama_with_rope_scaling
 from tiny_models import tiny_llama
-from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import GenerationConfig
 
 from grpo_hf import GRPOConfig
-from grpo_hf.engine import decoding, fixed_shape
+from grpo_hf.engine import fixed_shape
 from grpo_hf.engine.decoding import LlamaDecoder, StaticLlamaDecoder, decoder_for
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.local import generate, logits_processors
@@ -256,29 +255,6 @@ def test_cuda_graph_replay_equals_the_eager_steps(dtype, knobs, monkeypatch):
         assert_same_rollout(replayed, eager)
     (state,) = fixed_shape.buffers_of(model).states.values()
     assert len(state.graphs) == 1 and state.capture_seconds > 0
-
-
-def counted_compile(monkeypatch, backend: str) -> CompileCounterWithBackend:
-    """`compiled_forward` through `backend`, counting its compilations (nothing compiled by an
-    earlier test reused)."""
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend(backend)
-    compiled = decoding.compile_step(counter)
-    monkeypatch.setattr(decoding, "compiled_forward", lambda: compiled)
-    return counter
-
-
-@pytest.fixture
-def cheap_compile(monkeypatch) -> CompileCounterWithBackend:
-    """Traced by dynamo and AOTAutograd as on a GPU, the kernels left to eager ops."""
-    return counted_compile(monkeypatch, "aot_eager")
-
-
-@pytest.fixture
-def inductor_compile(monkeypatch) -> CompileCounterWithBackend:
-    """The product's backend, inductor, generating C++ for the CPU where a GPU gets Triton (the
-    lowering, symbolic shapes included, is the same; ~25 s of C++ builds here with a cold cache)."""
-    return counted_compile(monkeypatch, "inductor")
 
 
 def train_q_adapter(policy, copy: GenerationCopy) -> None:

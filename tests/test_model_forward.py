@@ -8,6 +8,7 @@ the captured step as transformers sees it during a CUDA capture and fails on any
 synchronisation (what makes a capture fail on a GPU). The `cuda` tests replay real CUDA graphs.
 """
 
+import importlib.util
 import logging
 
 import pytest
@@ -36,6 +37,7 @@ from grpo_hf.engine.local import generate, logits_processors
 from grpo_hf.engine.model_forward import StaticForwardDecoder, TransformersDecoder, static_cache_problem
 
 FORWARD = ("transformers", "transformers_static")  # the shrinking loop, the fixed-shape path
+COMPILED = ("transformers", "transformers_compiled")  # the shrinking loop, the compiled fixed-shape path
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
@@ -104,6 +106,13 @@ def test_weights_refreshed_between_rounds_reach_the_replayed_step(device, reques
     if device == "cpu":
         request.getfixturevalue("eager_graphs")
     check_refreshed_weights_reach_the_replay(lora_gpt2().to(device), device, FORWARD, ("c_attn", "c_fc"))
+
+
+@pytest.mark.cuda
+def test_refreshed_weights_reach_the_compiled_step_replayed_as_a_cuda_graph():
+    """Inductor's kernels captured as the step's CUDA graph, greedy in float32: the shrinking loop's
+    tokens, round after round, with refreshed LoRA weights."""
+    check_refreshed_weights_reach_the_replay(lora_gpt2().to("cuda"), "cuda", COMPILED, ("c_attn", "c_fc"))
 
 
 SYNCING_OPS = {
@@ -189,7 +198,8 @@ def test_which_models_decode_in_fixed_shapes():
 def test_a_failed_capture_names_the_setting_that_avoids_it(failing_capture):
     with pytest.raises(
         RuntimeError,
-        match=r"CUDA graph failed \(operation not permitted.*'transformers' to decode without CUDA graphs",
+        match=r"CUDA graph failed \(operation not permitted.*'transformers_static' to decode without "
+        r"torch.compile, or 'transformers' without CUDA graphs",
     ):
         generate(tiny_gpt2().eval(), *prompts(), sampling(), "transformers_static")
 
@@ -213,39 +223,89 @@ def test_auto_goes_on_with_the_loop_after_a_failed_capture(build, monkeypatch, c
     assert not fixed_shape.buffers_of(model).states  # the buckets' memory freed
 
 
+@pytest.mark.parametrize("build", [tiny_gpt2, tiny_qwen2], ids=["gpt2", "qwen2"])
+def test_the_compiled_forward_samples_the_loops_tokens(build, cheap_compile, eager_graphs):
+    """'transformers_compiled': the model's forward traced by dynamo (one graph, no breaks: one
+    frame) samples the loop's tokens, round after round, from one capture."""
+    model = build().eval()
+    assert decoder_for(model, 16, "transformers_compiled").compiled
+    for seed in range(3):
+        loop, compiled = decode_both(model, sampling(top_p=0.9), *prompts(), seed, COMPILED)
+        assert_same_rollout(compiled, loop)
+    assert cheap_compile.frame_count == 1 and eager_graphs.captures == 1
+
+
+def test_weights_refreshed_between_rounds_reach_the_compiled_step(cheap_compile, eager_graphs):
+    """The refreshed LoRA weights are inputs of the compiled code, not constants baked in at the
+    first round: no compiling again, and the new weights' tokens."""
+    check_refreshed_weights_reach_the_replay(lora_gpt2(), "cpu", COMPILED, ("c_attn", "c_fc"))
+    assert cheap_compile.frame_count == 1
+
+
+def test_new_prompt_buckets_reuse_the_compiled_forward(inductor_compile, eager_graphs):
+    """Four prompt-width buckets and back, through inductor: two compilations (the first bucket's
+    static shapes, then the cache width symbolic, which transformers' mask code takes), and the
+    compiled forward samples the loop's tokens in every one."""
+    model = tiny_qwen2().eval()
+    for width in (7, 20, 40, 70, 9):
+        loop, compiled = decode_both(model, sampling(top_p=0.9), *prompts(width), width, COMPILED)
+        assert_same_rollout(compiled, loop)
+    assert inductor_compile.frame_count == 2
+    assert eager_graphs.captures == 4 + 1  # the 16-column state was dropped (MAX_STATES) before its return
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "no-triton"])
+def test_auto_compiles_the_forward_where_triton_is_installed(triton, eager_graphs, monkeypatch):
+    """Where steps are captured (a GPU; here `graphs_enabled` says so) auto compiles the fixed-shape
+    forward when Triton, inductor's GPU code generator, is installed."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (triton or None) if name == "triton" else find_spec(name, *a),
+    )
+    decoder = decoder_for(tiny_qwen2(), 16)
+    assert type(decoder) is StaticForwardDecoder and decoder.compiled is triton
+    assert not decoder_for(tiny_qwen2(), 16, "transformers_static").compiled
+
+
 @pytest.mark.cuda
 def test_auto_takes_the_fixed_shape_forward_on_a_gpu_where_transformers_allows_it():
-    assert type(decoder_for(tiny_qwen2().to("cuda"), 3)) is StaticForwardDecoder
+    decoder = decoder_for(tiny_qwen2().to("cuda"), 3)
+    assert type(decoder) is StaticForwardDecoder
+    assert decoder.compiled is (importlib.util.find_spec("triton") is not None)
     assert type(decoder_for(tiny_mistral().to("cuda"), 3)) is TransformersDecoder  # sliding window
     processors = logits_processors(sampling(no_repeat_ngram_size=2), device=torch.device("cuda"))
     assert type(decoder_for(tiny_gpt2().to("cuda"), 3, "auto", processors)) is TransformersDecoder
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("backend", FORWARD[1:] + COMPILED[1:])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("build", [tiny_gpt2, tiny_qwen2], ids=["gpt2", "qwen2"])
-def test_cuda_graph_replay_equals_the_eager_steps(build, dtype, monkeypatch):
+def test_cuda_graph_replay_equals_the_eager_steps(build, dtype, backend, monkeypatch):
     """Replayed as a CUDA graph, round after round and across two prompt buckets, the step gives
-    the tokens and log-probs of the same steps run eagerly."""
+    the tokens and log-probs of the same steps (compiled or not) run without the graph."""
     model = build().to("cuda", dtype).eval()
     for seed, width in enumerate((7, 9, 20, 7)):
         ids, mask = prompts(width, device="cuda")
         torch.manual_seed(seed)
-        replayed = generate(model, ids, mask, sampling(top_p=0.9), "transformers_static")
+        replayed = generate(model, ids, mask, sampling(top_p=0.9), backend)
         with monkeypatch.context() as patch:
             patch.setattr(fixed_shape, "graphs_enabled", lambda device: False)
             torch.manual_seed(seed)
-            eager = generate(model, ids, mask, sampling(top_p=0.9), "transformers_static")
+            eager = generate(model, ids, mask, sampling(top_p=0.9), backend)
         assert_same_rollout(replayed, eager)
     assert all(len(state.graphs) == 1 for state in fixed_shape.buffers_of(model).states.values())
 
 
-def test_a_lora_gpt2_trains_alike_with_either_decoder(tmp_path):
+def test_a_lora_gpt2_trains_alike_with_each_decoder(tmp_path, cheap_compile):
     """Two steps of GRPO on a LoRA GPT-2 (its merged generation copy decodes): the fixed-shape
-    forward samples the shrinking loop's completions, so the runs log the same rewards and lengths
-    and end with the same adapters (up to float32 rounding of the sampler's log-probs)."""
+    forward, compiled or not, samples the shrinking loop's completions, so the runs log the same
+    rewards and lengths and end with the same adapters (up to float32 rounding of the sampler's
+    log-probs)."""
     runs = []
-    for backend in ("transformers", "transformers_static"):
+    for backend in (*FORWARD, "transformers_compiled"):
         trainer = GRPOTrainer(
             model=tiny_gpt2(),
             reward_funcs=length_reward,
@@ -262,6 +322,8 @@ def test_a_lora_gpt2_trains_alike_with_either_decoder(tmp_path):
         ]
         adapters = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
         runs.append((logs, adapters))
-    (loop_logs, loop_adapters), (fixed_logs, fixed_adapters) = runs
-    assert len(fixed_logs) == 2 and fixed_logs == loop_logs
-    torch.testing.assert_close(fixed_adapters, loop_adapters, rtol=0, atol=1e-5)
+    (loop_logs, loop_adapters), *fixed_runs = runs
+    for fixed_logs, fixed_adapters in fixed_runs:
+        assert len(fixed_logs) == 2 and fixed_logs == loop_logs
+        torch.testing.assert_close(fixed_adapters, loop_adapters, rtol=0, atol=1e-5)
+    assert cheap_compile.frame_count == 1

@@ -155,9 +155,10 @@ class GRPOConfig(
             "maths in fixed shapes on a static cache, CUDA graphs on a GPU, or an error), 'llama_compiled' (the same, "
             "its step through torch.compile first: auto's choice on a GPU with Triton), 'transformers' (the "
             "model's own forward with a DynamicCache, any architecture), 'transformers_static' (the model's own "
-            "forward in fixed shapes on a StaticCache, CUDA graphs on a GPU: auto's choice there for models other "
-            "than Llama that transformers can compile whole; or an error), 'vllm' (vLLM, see vllm_mode; "
-            "use_vllm=True sets it)."
+            "forward in fixed shapes on a StaticCache, CUDA graphs on a GPU, or an error), 'transformers_compiled' "
+            "(the same, its step through torch.compile first: auto's choice on a GPU with Triton for models other "
+            "than Llama that transformers can compile whole, 'transformers_static' without Triton), 'vllm' (vLLM, "
+            "see vllm_mode; use_vllm=True sets it)."
         },
     )
     generation_dtype: str | None = field(

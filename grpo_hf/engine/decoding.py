@@ -26,7 +26,6 @@ benchmark's shapes.
 import functools
 import importlib.util
 import weakref
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -280,7 +279,7 @@ class StaticLlamaDecoder(LlamaDecoder):
         super().__init__(model, fixed_shape.bucket(max_new_tokens))
         self.buffers = fixed_shape.buffers_of(model)
         self.vocab = model.lm_head.weight.shape[0]
-        self.compiled = compiled  # the step's model part through torch.compile (`compiled_forward`)
+        self.compiled = compiled  # the step's model part through torch.compile (`fixed_shape.compile_step`)
 
     def _linears(self, rows: int) -> list:
         self.weights = self.buffers.joins.join(_matmul_weights(self.model, self.head_weight))
@@ -311,14 +310,8 @@ class StaticLlamaDecoder(LlamaDecoder):
             setattr(self, name, state.held(self, name, getattr(self, name)))
         return logits
 
-    def forward(self, token: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Feed (R,) tokens at step `t` ((1,) on the device); (R, V) float32 logits."""
-        if self.compiled:
-            return compiled_forward()(self, token, t)
-        return self.eager_forward(token, t)
-
     def eager_forward(self, token: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """`forward` op by op."""
+        """Feed (R,) tokens at step `t` ((1,) on the device); (R, V) float32 logits."""
         column = t + self.prompt_length  # (1,)
         cos, signed_sin = (x.index_select(1, t).squeeze(1) for x in (self.cos, self.signed_sin))  # (R, 1, D)
         mask = self.mask.masked_fill(self.state.columns > column, float("-inf"))  # (R, 1, 1, W)
@@ -338,28 +331,19 @@ class StaticLlamaDecoder(LlamaDecoder):
         return tuple(w.data_ptr() for w in (self.embed, self.final_norm, *norms, *self.weights))
 
 
-def compile_step(backend: str | Callable = "inductor") -> Callable:
-    """`StaticLlamaDecoder.eager_forward` through `torch.compile`: RMSNorm, RoPE, the cache writes and
-    SwiGLU become a few fused kernels instead of ~35 per layer, which is what a CUDA-graph step of a
-    small model is made of. It compiles at a bucket's first step (before the capture; tens of
-    seconds) and the graph then replays the fused kernels. The decoder's tensors are inputs of the
-    compiled code, not constants: new weights and caches reach it without compiling again.
-    Shapes: the first bucket's are static; at a second bucket dynamo compiles once more with the
-    dimensions that changed (rows, cache columns) symbolic (its automatic dynamic shapes), and later
-    buckets reuse that code: two compilations in a run, not one per bucket (past dynamo's recompile
-    limit, 8, a step would also run uncompiled)."""
-    return torch.compile(StaticLlamaDecoder.eager_forward, backend=backend, dynamic=None)
-
-
-@functools.cache
-def compiled_forward() -> Callable:
-    """`compile_step` with inductor, made once per process."""
-    return compile_step()
-
-
-DECODERS = ("auto", "llama", "llama_static", "llama_compiled", "transformers", "transformers_static")
+DECODERS = (
+    "auto",
+    "llama",
+    "llama_static",
+    "llama_compiled",
+    "transformers",
+    "transformers_static",
+    "transformers_compiled",
+)
 LLAMA_STATIC = ("llama_static", "llama_compiled")
-STATIC_DECODERS = (*LLAMA_STATIC, "transformers_static")
+FORWARD_STATIC = ("transformers_static", "transformers_compiled")
+STATIC_DECODERS = (*LLAMA_STATIC, *FORWARD_STATIC)
+COMPILED_DECODERS = ("llama_compiled", "transformers_compiled")
 FIXED_SHAPE_DECODERS = (StaticLlamaDecoder, StaticForwardDecoder)
 
 
@@ -371,12 +355,13 @@ def decoder_for(
     `backend` (`GRPOConfig.generation_backend`): 'auto' takes Llama's maths on the raw weights
     wherever they reproduce the model (`is_plain_llama`), and the model's own forward elsewhere. On
     a CUDA device it decodes in fixed shapes, each step a CUDA graph, unless a logits processor of
-    the call's `processors` needs the shrinking loop: `StaticLlamaDecoder` (compiled where Triton
-    is installed), or for other models `StaticForwardDecoder` where transformers can run their
-    forward on a static cache (`static_cache_problem`); after a failed capture of a model's step, no
-    more. Elsewhere rows leave as they end (what a CPU's step costs): `LlamaDecoder`,
-    `TransformersDecoder`. 'llama' / 'llama_static' / 'transformers' / 'transformers_static'
-    insist on one; 'llama_compiled' is 'llama_static' with its step compiled (`compiled_forward`).
+    the call's `processors` needs the shrinking loop: `StaticLlamaDecoder`, or for other models
+    `StaticForwardDecoder` where transformers can run their forward on a static cache
+    (`static_cache_problem`), either one compiled where Triton is installed; after a failed capture
+    of a model's step, no more. Elsewhere rows leave as they end (what a CPU's step costs):
+    `LlamaDecoder`, `TransformersDecoder`. 'llama' / 'llama_static' / 'transformers' /
+    'transformers_static' insist on one; 'llama_compiled' and 'transformers_compiled' are the
+    static ones with their step compiled (`fixed_shape.compile_step`).
     """
     if backend not in DECODERS:
         raise ValueError(f"generation_backend={backend!r} is not one of {DECODERS}.")
@@ -388,18 +373,18 @@ def decoder_for(
         )
     variable = fixed_shape.variable_shape_settings(processors)
     if backend in STATIC_DECODERS and variable:
-        shrinking = "'transformers'" if backend == "transformers_static" else "'llama'"
+        shrinking = "'transformers'" if backend in FORWARD_STATIC else "'llama'"
         raise ValueError(
             f"generation_backend={backend!r} decodes in fixed shapes, which the sampling settings {variable} "
             f"do not allow; drop them from generation_kwargs or set generation_backend={shrinking} (or 'auto')."
         )
     fixed = backend in STATIC_DECODERS or (backend == "auto" and not variable and _graphs_for(model))
+    compiled = backend in COMPILED_DECODERS or (
+        backend == "auto" and importlib.util.find_spec("triton") is not None
+    )
     if not plain_llama or backend.startswith("transformers"):
-        return _forward_decoder(model, max_new_tokens, backend, fixed)
+        return _forward_decoder(model, max_new_tokens, backend, fixed, compiled)
     if fixed:
-        compiled = backend == "llama_compiled" or (
-            backend == "auto" and importlib.util.find_spec("triton") is not None
-        )
         return StaticLlamaDecoder(model, max_new_tokens, compiled=compiled)
     return LlamaDecoder(model, max_new_tokens)
 
@@ -412,15 +397,15 @@ def _graphs_for(model: nn.Module) -> bool:
 
 
 def _forward_decoder(
-    model: nn.Module, max_new_tokens: int, backend: str, fixed: bool
+    model: nn.Module, max_new_tokens: int, backend: str, fixed: bool, compiled: bool
 ) -> TransformersDecoder | StaticForwardDecoder:
     """The model's own forward: in fixed shapes where asked and transformers allows it."""
     if not fixed:
         return TransformersDecoder(model)
     problem = static_cache_problem(model)
-    if problem and backend == "transformers_static":
+    if problem and backend in FORWARD_STATIC:
         raise ValueError(
-            f"generation_backend='transformers_static' cannot decode this model: {problem}; set "
+            f"generation_backend={backend!r} cannot decode this model: {problem}; set "
             "generation_backend='transformers' (or 'auto')."
         )
-    return TransformersDecoder(model) if problem else StaticForwardDecoder(model, max_new_tokens)
+    return TransformersDecoder(model) if problem else StaticForwardDecoder(model, max_new_tokens, compiled)

@@ -22,10 +22,12 @@ the same shapes and the same memory at every replay. So here:
 On CUDA the step is captured once per bucket and sampling settings (`capture`) and replayed;
 elsewhere the same step runs eagerly. `decoding.StaticLlamaDecoder` is the Llama step on these
 buffers, `model_forward.StaticForwardDecoder` the model's own forward on a `StaticCache`, and
-`decoding.decoder_for` the one place that picks one. Their tokens are the shrinking loop's for the
+`decoding.decoder_for` the one place that picks one; either step may go through `torch.compile`
+before it is captured (`compile_step`). Their tokens are the shrinking loop's for the
 same seed (tests/test_fixed_shape.py, tests/test_model_forward.py).
 """
 
+import functools
 import logging
 import time
 import weakref
@@ -358,6 +360,25 @@ def run(
     return state.tokens[:rows, :width], state.logps[:rows, :width]  # (B, C) each
 
 
+def compile_step(eager_forward: Callable, backend: str | Callable = "inductor") -> Callable:
+    """A decoder's `eager_forward` through `torch.compile`: the step's small kernels (RMSNorm,
+    RoPE, the cache writes, the MLP's activations: ~35 per layer in Llama) become a few fused ones,
+    which is what a CUDA-graph step of a small model is made of. It compiles at a bucket's first
+    step (before the capture; tens of seconds) and the graph then replays the fused kernels. The
+    decoder's tensors (weights, cache, buffers) are inputs of the compiled code, not constants: new
+    weights and caches reach it without compiling again. Shapes: the first bucket's are static; at
+    a second bucket dynamo compiles once more with the dimensions that changed (rows, cache columns)
+    symbolic (its automatic dynamic shapes), and later buckets reuse that code: two compilations in
+    a run, not one per bucket (past dynamo's recompile limit, 8, a step would run uncompiled)."""
+    return torch.compile(eager_forward, backend=backend, dynamic=None)
+
+
+@functools.cache
+def compiled_step(eager_forward: Callable) -> Callable:
+    """`compile_step` with inductor, made once per process and kind of decoder."""
+    return compile_step(eager_forward)
+
+
 def decode(
     decoder,
     prompt_ids: torch.Tensor,
@@ -370,12 +391,12 @@ def decode(
     """(B, P) prompts decoded by a fixed-shape `decoder` in the buffers of their bucket; (B, C) new
     tokens and their log-probs, as the shrinking loop returns them.
 
-    The decoder gives `model`, `max_new_tokens` (a bucket), `vocab`, `compiled`, `CAPTURE_FALLBACK`
-    (what to set when capturing fails), `prefill(ids, mask, state)`, `forward(token, t)` and
-    `weight_pointers()`. `choose(sequence, logits, uniforms)` is the loop's processors and
-    sampling; `uniforms` (N, B, 1) its numbers (None: greedy). Autocast is off, as in the shrinking
-    loop's decoding (a graph must not read autocast's cached weight casts, which go with the
-    autocast region).
+    The decoder gives `model`, `max_new_tokens` (a bucket), `vocab`, `compiled` (its step through
+    `compiled_step`), `CAPTURE_FALLBACK` (what to set when capturing fails), `prefill(ids, mask,
+    state)`, `eager_forward(token, t)` and `weight_pointers()`. `choose(sequence, logits,
+    uniforms)` is the loop's processors and sampling; `uniforms` (N, B, 1) its numbers (None:
+    greedy). Autocast is off, as in the shrinking loop's decoding (a graph must not read
+    autocast's cached weight casts, which go with the autocast region).
     """
     state = buffers_of(decoder.model).state(prompt_ids, decoder.max_new_tokens, decoder.vocab)
     with torch.inference_mode(), torch.autocast(prompt_ids.device.type, enabled=False):
@@ -394,8 +415,12 @@ def _decode(decoder, state, prompt_ids, prompt_mask, config, choose, uniforms, a
     def begin() -> None:
         state.begin(sequence, logits, uniforms, rows, pad)
 
+    forward = decoder.eager_forward
+    if decoder.compiled:
+        forward = functools.partial(compiled_step(type(decoder).eager_forward), decoder)
+
     def run_step() -> None:
-        step(state, decoder.forward, choose, eos, pad, uniforms is not None)
+        step(state, forward, choose, eos, pad, uniforms is not None)
 
     begin()
     replay = run_step

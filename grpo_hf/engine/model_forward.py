@@ -6,7 +6,7 @@ its step is as much kernel launches and Python as Llama's was (issue 30), so `St
 runs the same forward in `fixed_shape`'s loop: each distinct prompt prefilled once through a
 `DynamicCache`, its keys and values copied into the bucket's `StaticCache`; then one token per row
 and step at fixed shapes, the cache's length (its next column) held on the device, replayed as a
-CUDA graph on a GPU (eager kernels: this step is not compiled).
+CUDA graph on a GPU, of the model's eager kernels or (`compiled`) of inductor's fused ones.
 
 Which models: those transformers itself runs in one graph on a static cache
 (`_can_compile_fullgraph`, the claim its compiled `generate` rests on), with whole local weights
@@ -79,14 +79,18 @@ def static_cache_problem(model: nn.Module) -> str | None:
 
 
 class StaticForwardDecoder:
-    """The model's own forward in `fixed_shape`'s buffers: prefill, `forward(token, t)`, and where
-    the weights a captured step reads lie. `fixed_shape.decode` drives it."""
+    """The model's own forward in `fixed_shape`'s buffers: prefill, `eager_forward(token, t)`, and
+    where the weights a captured step reads lie. `fixed_shape.decode` drives it, through
+    `torch.compile` where `compiled`."""
 
-    compiled = False  # the step runs the model's eager kernels
-    CAPTURE_FALLBACK = "set generation_backend='transformers' to decode without CUDA graphs"
+    CAPTURE_FALLBACK = (
+        "set generation_backend='transformers_static' to decode without torch.compile, "
+        "or 'transformers' without CUDA graphs"
+    )
 
-    def __init__(self, model: nn.Module, max_new_tokens: int):
+    def __init__(self, model: nn.Module, max_new_tokens: int, compiled: bool = False):
         self.model, self.max_new_tokens = model, fixed_shape.bucket(max_new_tokens)
+        self.compiled = compiled  # the step through torch.compile (`fixed_shape.compile_step`)
         self.cache_keyword = cache_keyword(model)
         self.vocab = model.get_output_embeddings().weight.shape[0]
 
@@ -112,7 +116,7 @@ class StaticForwardDecoder:
         self.positions, self.prompt_width = state.held(self, "positions", positions), prompt_ids.shape[1]
         return logits.float()
 
-    def forward(self, token: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def eager_forward(self, token: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Feed (R,) tokens at step `t` ((1,) on the device); (R, V) float32 logits. Each cache
         layer writes at its length, a device tensor its update advances: set to column P + t here,
         so steps run before a capture (its warm-up) leave no trace."""
