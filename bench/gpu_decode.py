@@ -21,8 +21,8 @@ the worker's peak RSS). The reference process generates `--reference-rows` x `--
 from the smol model with transformers' `generate` on a static cache (compiled on CUDA) and with our
 decoders (generation_backend 'llama_static', 'llama' and 'transformers_static', the fixed-shape path
 of models other than Llama, through the model's own forward; on CUDA 'llama_compiled' and
-'transformers_compiled' too, compiled as theirs is): each line's tokens/s is its second call's; its first call's seconds (compilation, or
-the CUDA graph capture) are printed beside.
+'transformers_compiled' too, compiled as theirs is): each line's tokens/s is its second call's;
+its first call's seconds (compilation, or the CUDA graph capture) are printed beside.
 TRL is needed only for its side (`pip install -e ".[bench]"`); without it that side is skipped and
 the output says so. Results: bench/results/gpu_decode.json.
 """
