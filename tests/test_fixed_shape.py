@@ -20,7 +20,7 @@ from grpo_hf import GRPOConfig
 from grpo_hf.engine import fixed_shape
 from grpo_hf.engine.decoding import LlamaDecoder, StaticLlamaDecoder, decoder_for
 from grpo_hf.engine.generation_copy import GenerationCopy
-from grpo_hf.engine.local import generate, logits_processors
+from grpo_hf.engine.local import generate
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -55,6 +55,18 @@ def assert_same_rollout(ours, reference):
     torch.testing.assert_close(ours.sampler_logps, reference.sampler_logps, rtol=0, atol=1e-5)
 
 
+# The settings the loop's processors read its sequence's length or last tokens for. Each bites on
+# both tiny Llamas (`test_the_length_and_ngram_settings_bite`): a row of `prompts()` ends after 4
+# tokens and others sooner than 6, greedy decoding repeats pairs of tokens (258 148 ...) or one (176).
+LENGTH_KNOBS = {"min_new_tokens": 6, "suppress_tokens": [37, 251], "eta_cutoff": 0.5}
+NGRAM_KNOBS = {
+    "do_sample": False,
+    "eos_token_id": [2],
+    "no_repeat_ngram_size": 2,
+    "bad_words_ids": [[258, 148], [31, 62, 60], [176]],
+}
+
+
 @pytest.mark.parametrize(
     "knobs",
     [
@@ -63,8 +75,10 @@ def assert_same_rollout(ours, reference):
         {"temperature": 0.7, "top_k": 20, "top_p": 0.9},
         {"min_p": 0.05, "repetition_penalty": 1.3},
         {"typical_p": 0.9, "epsilon_cutoff": 1e-3, "repetition_penalty": 0.8},
+        LENGTH_KNOBS,
+        NGRAM_KNOBS,
     ],
-    ids=["plain", "greedy", "top-k-top-p", "min-p-repetition", "typical-epsilon"],
+    ids=["plain", "greedy", "top-k-top-p", "min-p-repetition", "typical-epsilon", "length-eta", "n-grams"],
 )
 @pytest.mark.parametrize("build", [tiny_llama, llama_with_rope_scaling], ids=["llama", "llama3-rope-gqa"])
 def test_fixed_shapes_sample_the_loops_tokens(build, knobs):
@@ -74,6 +88,60 @@ def test_fixed_shapes_sample_the_loops_tokens(build, knobs):
     lengths = loop.completion_mask.sum(1)
     if knobs.get("do_sample", True):  # rows end at different steps
         assert len(set(lengths.tolist())) >= 3, lengths
+
+
+@pytest.mark.parametrize("build", [tiny_llama, llama_with_rope_scaling], ids=["llama", "llama3-rope-gqa"])
+def test_the_length_and_ngram_settings_bite(build):
+    """The loop's own tokens under LENGTH_KNOBS and NGRAM_KNOBS differ from those without them, and
+    hold what each setting promises (so the fixed-shape path equalling them tests its processors)."""
+    model, (ids, mask) = build().eval(), prompts()
+    for knobs, base in ((LENGTH_KNOBS, {}), (NGRAM_KNOBS, {"do_sample": False, "eos_token_id": [2]})):
+        (free,), (held,) = (
+            decode_both(model, sampling(**k), ids, mask, backends=("llama",)) for k in (base, knobs)
+        )
+        assert not torch.equal(free.completion_ids, held.completion_ids)
+    (held,) = decode_both(model, sampling(**LENGTH_KNOBS), ids, mask, backends=("llama",))
+    assert (
+        held.completion_mask.sum(1).min() >= 7  # no EOS among the first 6 tokens
+        and not torch.isin(held.completion_ids, torch.tensor([37, 251])).any()
+    )
+    (held,) = decode_both(model, sampling(**NGRAM_KNOBS), ids, mask, backends=("llama",))
+    for prompt, completion in zip(ids.tolist(), held.completion_ids.tolist(), strict=True):
+        sequence = prompt + completion  # the (padded) prompt may repeat a pair; no drawn token does
+        for j in range(len(prompt), len(sequence)):
+            assert (sequence[j - 1], sequence[j]) not in {tuple(sequence[i : i + 2]) for i in range(j - 1)}
+        for word in ([258, 148], [31, 62, 60], [176]):
+            ends_drawn = range(len(prompt) - len(word) + 1, len(sequence) - len(word) + 1)
+            assert all(sequence[i : i + len(word)] != word for i in ends_drawn)
+
+
+def test_the_bucket_columns_before_the_prompt_are_not_the_loops_sequence():
+    """They repeat the row's last prompt token: row 0 of 3-column prompts, 40 41 42, sits in 16
+    columns as 42 x 13, 40, 41, 42. A bad word longer than the prompt is skipped by the loop until
+    enough tokens are drawn; those columns must not complete it, nor n-grams of them ban tokens."""
+    model, (ids, mask) = tiny_llama().eval(), prompts(3)
+    greedy = {"do_sample": False, "eos_token_id": [2]}
+    (free,) = decode_both(model, sampling(**greedy), ids, mask, backends=("llama",))
+    first = free.completion_ids[0, 0].item()
+    for knobs in (
+        {"bad_words_ids": [[42, 40, 41, 42, first]]},
+        {"no_repeat_ngram_size": 2},
+        {"no_repeat_ngram_size": 40},  # longer than the bucket's 32 columns
+    ):
+        loop, fixed = decode_both(model, sampling(**greedy, **knobs), ids, mask)
+        assert loop.completion_ids[0, 0] == first
+        assert_same_rollout(fixed, loop)
+
+
+def test_a_replayed_step_reads_each_calls_prompt_width(eager_graphs):
+    """Prompts of 7, 5 and 11 columns share a bucket of 16 and one capture; the length and n-gram
+    settings, which read where the call's prompt starts, give the loop's tokens in each call."""
+    model = tiny_llama().eval()
+    for knobs in (LENGTH_KNOBS, NGRAM_KNOBS):
+        for width in (7, 5, 11):
+            loop, fixed = decode_both(model, sampling(**knobs), *prompts(width))
+            assert_same_rollout(fixed, loop)
+    assert eager_graphs.captures == 2  # one per sampling settings
 
 
 def lora_policy(model: torch.nn.Module | None = None, targets: list[str] = LORA_TARGETS) -> torch.nn.Module:
@@ -209,7 +277,7 @@ def test_the_buckets_and_the_processor_sequence():
     ]
 
 
-def test_generation_backend_llama_static_is_a_choice_with_its_limits():
+def test_generation_backend_llama_static_is_a_choice():
     model = tiny_llama()
     assert type(decoder_for(model, 3, "llama_static")) is StaticLlamaDecoder
     assert type(decoder_for(model, 3)) is LlamaDecoder  # the CPU default: rows leave as they end
@@ -217,34 +285,28 @@ def test_generation_backend_llama_static_is_a_choice_with_its_limits():
         GRPOConfig(output_dir="unused", generation_backend="llama_static").generation_backend
         == "llama_static"
     )
-    processors = logits_processors(sampling(no_repeat_ngram_size=2, min_new_tokens=3))
-    with pytest.raises(
-        ValueError, match=r"\['no_repeat_ngram_size', 'min_new_tokens'\].*generation_backend='llama'"
-    ):
-        decoder_for(model, 3, "llama_static", processors)
-    assert type(decoder_for(model, 3, "auto", processors)) is LlamaDecoder
 
 
 @pytest.mark.cuda
-def test_auto_takes_the_fixed_shape_decoder_on_a_gpu_unless_a_processor_needs_the_loop():
+def test_auto_takes_the_fixed_shape_decoder_on_a_gpu():
     model = tiny_llama().to("cuda")
     assert type(decoder_for(model, 3)) is StaticLlamaDecoder
     assert decoder_for(model, 3).compiled is (importlib.util.find_spec("triton") is not None)
     assert type(decoder_for(model, 3, "llama")) is LlamaDecoder
-    processors = logits_processors(sampling(no_repeat_ngram_size=2), device=torch.device("cuda"))
-    assert type(decoder_for(model, 3, "auto", processors)) is LlamaDecoder
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("knobs", [{}, {"do_sample": False}, {"top_p": 0.9, "repetition_penalty": 1.2}])
+@pytest.mark.parametrize(
+    "knobs", [{}, {"do_sample": False}, {"top_p": 0.9, "repetition_penalty": 1.2}, LENGTH_KNOBS, NGRAM_KNOBS]
+)
 def test_cuda_graph_replay_equals_the_eager_steps(dtype, knobs, monkeypatch):
     """On a GPU the fixed-shape decoder replays its step as a CUDA graph; the same steps run eagerly
     give the same tokens and log-probs, round after round."""
     model = tiny_llama().to("cuda", dtype).eval().requires_grad_(False)
     ids, mask = prompts(device="cuda")
     config = sampling(**knobs)
-    assert type(decoder_for(model, 16, "llama_static", logits_processors(config))) is StaticLlamaDecoder
+    assert type(decoder_for(model, 16, "llama_static")) is StaticLlamaDecoder
     for seed in range(3):  # the first round captures, the next ones replay
         torch.manual_seed(seed)
         replayed = generate(model, ids, mask, config, "llama_static")

@@ -17,6 +17,8 @@ import transformers.utils.import_utils
 from conftest import EagerCapture
 from peft import LoraConfig
 from test_fixed_shape import (
+    LENGTH_KNOBS,
+    NGRAM_KNOBS,
     assert_same_rollout,
     check_refreshed_weights_reach_the_replay,
     decode_both,
@@ -33,11 +35,13 @@ from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.engine import fixed_shape
 from grpo_hf.engine.decoding import FIXED_SHAPE_DECODERS, decoder_for
 from grpo_hf.engine.generation_copy import GenerationCopy
-from grpo_hf.engine.local import generate, logits_processors
+from grpo_hf.engine.local import generate
 from grpo_hf.engine.model_forward import StaticForwardDecoder, TransformersDecoder, static_cache_problem
 
 FORWARD = ("transformers", "transformers_static")  # the shrinking loop, the fixed-shape path
 COMPILED = ("transformers", "transformers_compiled")  # the shrinking loop, the compiled fixed-shape path
+# every logits processor of the loop, sampled
+EVERY_PROCESSOR = {"top_p": 0.9, "repetition_penalty": 1.2, **LENGTH_KNOBS, **NGRAM_KNOBS, "do_sample": True}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
@@ -54,8 +58,10 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
         {"do_sample": False, "eos_token_id": [2]},
         {"temperature": 0.7, "top_k": 20, "top_p": 0.9},
         {"min_p": 0.05, "repetition_penalty": 1.3},
+        LENGTH_KNOBS,
+        NGRAM_KNOBS,
     ],
-    ids=["plain", "greedy", "top-k-top-p", "min-p-repetition"],
+    ids=["plain", "greedy", "top-k-top-p", "min-p-repetition", "length-eta", "n-grams"],
 )
 @pytest.mark.parametrize("build", [tiny_gpt2, tiny_qwen2, tiny_llama], ids=["gpt2", "qwen2", "llama"])
 def test_fixed_shapes_sample_the_loops_tokens(build, knobs):
@@ -117,6 +123,9 @@ def test_refreshed_weights_reach_the_compiled_step_replayed_as_a_cuda_graph():
 
 SYNCING_OPS = {
     "_local_scalar_dense",
+    "is_nonzero",  # bool(t) under inference mode (the fixed-shape step's), seen before it decomposes
+    "item",  # t.item() under inference mode
+    "equal",
     "nonzero",
     "masked_select",
     "_unique2",
@@ -156,11 +165,13 @@ class SyncCheck(EagerCapture):
         return replay
 
 
-def test_the_host_read_check_sees_a_host_read():
-    with HostReads() as reads:
-        tensor = torch.tensor([1, 0])
-        bool(tensor.any()), tensor.nonzero()
-    assert reads.seen == ["_local_scalar_dense", "nonzero"]
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_the_host_read_check_sees_a_host_read(inference):
+    """Under inference mode (where the fixed-shape steps run) the reads show as other ops."""
+    tensor = torch.tensor([1, 0])
+    with torch.inference_mode(inference), HostReads() as reads:
+        bool(tensor.any()), tensor.sum().item(), tensor.nonzero()
+    assert len(reads.seen) == 3 and reads.seen[-1] == "nonzero", reads.seen
 
 
 @pytest.mark.parametrize(
@@ -170,13 +181,14 @@ def test_the_host_read_check_sees_a_host_read():
 )
 @pytest.mark.parametrize("copy", [False, True], ids=["model", "generation-copy"])
 def test_the_captured_step_reads_nothing_back_to_the_host(build, backend, copy, monkeypatch):
-    """The whole step, the model's forward, its masks and the sampling, makes no host read: a CUDA
-    capture of it does not fail for want of one (the generation copy's one-token attention too)."""
+    """The whole step, the model's forward, its masks and the sampling with every logits processor,
+    makes no host read: a CUDA capture of it does not fail for want of one (the generation copy's
+    one-token attention too)."""
     check = SyncCheck(monkeypatch)
     monkeypatch.setattr(fixed_shape, "graphs_enabled", lambda device: True)
     monkeypatch.setattr(fixed_shape, "capture", check)
     model = GenerationCopy(build(), torch.float32).refresh() if copy else build().eval()
-    generate(model, *prompts(), sampling(top_p=0.9, repetition_penalty=1.2), backend)
+    generate(model, *prompts(), sampling(**EVERY_PROCESSOR), backend)
     assert check.captures == 1 and check.seen == []
 
 
@@ -188,9 +200,6 @@ def test_which_models_decode_in_fixed_shapes():
     assert type(decoder_for(tiny_mistral(), 3, "transformers")) is TransformersDecoder
     with pytest.raises(ValueError, match=r"'transformers_static' cannot decode this model: .*sliding-window"):
         decoder_for(tiny_mistral(), 3, "transformers_static")
-    processors = logits_processors(sampling(no_repeat_ngram_size=2))
-    with pytest.raises(ValueError, match=r"\['no_repeat_ngram_size'\].*generation_backend='transformers'"):
-        decoder_for(tiny_gpt2(), 3, "transformers_static", processors)
     config = GRPOConfig(output_dir="unused", generation_backend="transformers_static")
     assert config.generation_backend == "transformers_static"
 
@@ -275,8 +284,6 @@ def test_auto_takes_the_fixed_shape_forward_on_a_gpu_where_transformers_allows_i
     assert type(decoder) is StaticForwardDecoder
     assert decoder.compiled is (importlib.util.find_spec("triton") is not None)
     assert type(decoder_for(tiny_mistral().to("cuda"), 3)) is TransformersDecoder  # sliding window
-    processors = logits_processors(sampling(no_repeat_ngram_size=2), device=torch.device("cuda"))
-    assert type(decoder_for(tiny_gpt2().to("cuda"), 3, "auto", processors)) is TransformersDecoder
 
 
 @pytest.mark.cuda
@@ -284,17 +291,18 @@ def test_auto_takes_the_fixed_shape_forward_on_a_gpu_where_transformers_allows_i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("build", [tiny_gpt2, tiny_qwen2], ids=["gpt2", "qwen2"])
 def test_cuda_graph_replay_equals_the_eager_steps(build, dtype, backend, monkeypatch):
-    """Replayed as a CUDA graph, round after round and across two prompt buckets, the step gives
-    the tokens and log-probs of the same steps (compiled or not) run without the graph."""
+    """Replayed as a CUDA graph, round after round and across two prompt buckets, the step (every
+    logits processor in it) gives the tokens and log-probs of the same steps (compiled or not) run
+    without the graph."""
     model = build().to("cuda", dtype).eval()
     for seed, width in enumerate((7, 9, 20, 7)):
         ids, mask = prompts(width, device="cuda")
         torch.manual_seed(seed)
-        replayed = generate(model, ids, mask, sampling(top_p=0.9), backend)
+        replayed = generate(model, ids, mask, sampling(**EVERY_PROCESSOR), backend)
         with monkeypatch.context() as patch:
             patch.setattr(fixed_shape, "graphs_enabled", lambda device: False)
             torch.manual_seed(seed)
-            eager = generate(model, ids, mask, sampling(top_p=0.9), backend)
+            eager = generate(model, ids, mask, sampling(**EVERY_PROCESSOR), backend)
         assert_same_rollout(replayed, eager)
     assert all(len(state.graphs) == 1 for state in fixed_shape.buffers_of(model).states.values())
 

@@ -30,7 +30,6 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.generation.logits_process import LogitsProcessorList
 
 from grpo_hf.engine import fixed_shape
 from grpo_hf.engine.attention import bias_from, causal_allowed, grouped_attention
@@ -348,15 +347,14 @@ FIXED_SHAPE_DECODERS = (StaticLlamaDecoder, StaticForwardDecoder)
 
 
 def decoder_for(
-    model: nn.Module, max_new_tokens: int, backend: str = "auto", processors: LogitsProcessorList = ()
+    model: nn.Module, max_new_tokens: int, backend: str = "auto"
 ) -> LlamaDecoder | TransformersDecoder | StaticForwardDecoder:
     """The prefill and decoding steps for `model`, for completions of up to `max_new_tokens`.
 
     `backend` (`GRPOConfig.generation_backend`): 'auto' takes Llama's maths on the raw weights
     wherever they reproduce the model (`is_plain_llama`), and the model's own forward elsewhere. On
-    a CUDA device it decodes in fixed shapes, each step a CUDA graph, unless a logits processor of
-    the call's `processors` needs the shrinking loop: `StaticLlamaDecoder`, or for other models
-    `StaticForwardDecoder` where transformers can run their forward on a static cache
+    a CUDA device it decodes in fixed shapes, each step a CUDA graph: `StaticLlamaDecoder`, or for
+    other models `StaticForwardDecoder` where transformers can run their forward on a static cache
     (`static_cache_problem`), either one compiled where Triton is installed; after a failed capture
     of a model's step, no more. Elsewhere rows leave as they end (what a CPU's step costs):
     `LlamaDecoder`, `TransformersDecoder`. 'llama' / 'llama_static' / 'transformers' /
@@ -371,14 +369,7 @@ def decoder_for(
             f"generation_backend={backend!r} needs a plain LlamaForCausalLM with whole local weights, not "
             f"{type(model).__name__}; set generation_backend='auto'."
         )
-    variable = fixed_shape.variable_shape_settings(processors)
-    if backend in STATIC_DECODERS and variable:
-        shrinking = "'transformers'" if backend in FORWARD_STATIC else "'llama'"
-        raise ValueError(
-            f"generation_backend={backend!r} decodes in fixed shapes, which the sampling settings {variable} "
-            f"do not allow; drop them from generation_kwargs or set generation_backend={shrinking} (or 'auto')."
-        )
-    fixed = backend in STATIC_DECODERS or (backend == "auto" and not variable and _graphs_for(model))
+    fixed = backend in STATIC_DECODERS or (backend == "auto" and _graphs_for(model))
     compiled = backend in COMPILED_DECODERS or (
         backend == "auto" and importlib.util.find_spec("triton") is not None
     )

@@ -38,22 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    NoBadWordsLogitsProcessor,
-    NoRepeatNGramLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    SuppressTokensLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
+from transformers.generation.logits_process import LogitsProcessorList
 
+from grpo_hf.engine import fixed_processors
 from grpo_hf.engine.cpu import weights_stamp
 
 logger = logging.getLogger(__name__)
@@ -62,36 +49,6 @@ MIN_COLUMNS = 16  # the smallest bucket of prompt or new-token columns
 CHECK_EVERY = 16  # steps between the host's checks that every row is done
 MAX_STATES = 3  # buckets whose cache and graphs a model keeps; the least recently used goes
 WARMUP_STEPS = 3  # eager steps on the capture stream before capturing (as PyTorch's CUDA graph notes)
-
-# Processors that read only the scores, or only which tokens the sequence holds (the repetition
-# penalty): they give the same scores on the fixed-shape sequence, and run without a host sync.
-FIXED_SHAPE_PROCESSORS = (
-    TemperatureLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-)
-# The others, by the setting that adds them: they read the sequence's length or its n-grams, or
-# move a tensor to the device (suppress_tokens) or check a distribution on the host (eta_cutoff).
-VARIABLE_SHAPE_SETTINGS = {
-    NoRepeatNGramLogitsProcessor: "no_repeat_ngram_size",
-    NoBadWordsLogitsProcessor: "bad_words_ids",
-    MinNewTokensLengthLogitsProcessor: "min_new_tokens",
-    SuppressTokensLogitsProcessor: "suppress_tokens",
-    EtaLogitsWarper: "eta_cutoff",
-}
-
-
-def variable_shape_settings(processors: LogitsProcessorList) -> list[str]:
-    """The settings behind those of `processors` a fixed-shape step cannot run."""
-    return [
-        VARIABLE_SHAPE_SETTINGS.get(type(p), type(p).__name__)
-        for p in processors
-        if not isinstance(p, FIXED_SHAPE_PROCESSORS)
-    ]
 
 
 def bucket(n: int, least: int = MIN_COLUMNS) -> int:
@@ -153,6 +110,7 @@ class DecodeState:
         self.rows, self.prompt_width, self.new_tokens = rows, prompt_width, new_tokens
         long = {"dtype": torch.long, "device": device}
         self.t = torch.zeros(1, **long)  # (1,) the step, on the device
+        self.prompt_start = torch.zeros(1, **long)  # (1,) the call's first prompt column (W - P)
         self.columns = torch.arange(prompt_width + new_tokens, **long)  # (W,)
         self.sequence = torch.zeros(rows, prompt_width + new_tokens, **long)  # (R, W) for the processors
         self.logits = torch.zeros(rows, vocab, device=device)  # (R, V) float32
@@ -177,12 +135,23 @@ class DecodeState:
             buffers[name] = torch.empty_like(value)
         return buffers[name].copy_(value)
 
+    def where(self) -> fixed_processors.Where:
+        """The step and the prompt's first column, as the fixed-shape processors read them."""
+        return fixed_processors.Where(self.t, self.prompt_start, self.prompt_width)
+
     def begin(
-        self, sequence: torch.Tensor, logits: torch.Tensor, uniforms: torch.Tensor | None, rows: int, pad: int
+        self,
+        prompt_ids: torch.Tensor,
+        logits: torch.Tensor,
+        uniforms: torch.Tensor | None,
+        pad: int,
     ) -> None:
-        """A call's start: its (R, W) processor sequence, (R, V) first logits and (N, rows, 1)
-        uniforms (None: greedy); the bucket's rows past `rows` count as finished."""
+        """A call's start: its (B, P) prompts (the processors' sequence), (R, V) first logits and
+        (N, B, 1) uniforms (None: greedy); the bucket's rows past B count as finished."""
+        rows, prompt_columns = prompt_ids.shape
         self.t.zero_()
+        self.prompt_start.fill_(self.prompt_width - prompt_columns)
+        sequence = processor_sequence(prompt_ids, self.rows, self.prompt_width, self.new_tokens)
         self.sequence.copy_(sequence)
         self.logits.copy_(logits)
         self.uniforms.zero_()
@@ -314,7 +283,8 @@ def graph_for(
 ) -> tuple[Callable[[], None], bool]:
     """The replay of the step for `key` (decoder, compiled or not, sampling settings), and whether
     it was captured just now (capturing runs steps on the state). Captured again when a weight it
-    reads moved (`pointers`); `keep`: tensors the step reads that nothing else holds; `fallback`:
+    reads moved (`pointers`); `keep`: what the step reads that nothing else holds (tensors, the
+    processors' masks); `fallback`:
     the setting a failed capture's error names."""
     cached = state.graphs.pop(key, None)  # a stale graph's memory goes before capturing anew
     if cached is not None and cached[1] == pointers:
@@ -384,6 +354,7 @@ def decode(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     config: GenerationConfig,
+    processors: LogitsProcessorList,
     choose: Callable,
     uniforms: torch.Tensor | None,
     all_done: Callable[[bool], bool] | None = None,
@@ -393,13 +364,17 @@ def decode(
 
     The decoder gives `model`, `max_new_tokens` (a bucket), `vocab`, `compiled` (its step through
     `compiled_step`), `CAPTURE_FALLBACK` (what to set when capturing fails), `prefill(ids, mask,
-    state)`, `eager_forward(token, t)` and `weight_pointers()`. `choose(sequence, logits,
-    uniforms)` is the loop's processors and sampling; `uniforms` (N, B, 1) its numbers (None:
-    greedy). Autocast is off, as in the shrinking loop's decoding (a graph must not read
+    state)`, `eager_forward(token, t)` and `weight_pointers()`. `processors` are the loop's
+    (`fixed_processors.for_fixed_shapes` makes their fixed-shape forms), `choose(processors,
+    sequence, logits, uniforms)` its sampling; `uniforms` (N, B, 1) its numbers (None: greedy). Autocast is off, as in the shrinking loop's decoding (a graph must not read
     autocast's cached weight casts, which go with the autocast region).
     """
     state = buffers_of(decoder.model).state(prompt_ids, decoder.max_new_tokens, decoder.vocab)
     with torch.inference_mode(), torch.autocast(prompt_ids.device.type, enabled=False):
+        processors = fixed_processors.for_fixed_shapes(
+            processors, state.where(), decoder.vocab, prompt_ids.device
+        )
+        choose = functools.partial(choose, processors)
         tokens, logps = _decode(decoder, state, prompt_ids, prompt_mask, config, choose, uniforms, all_done)
     return tokens.clone(), logps.clone()  # outside inference mode: plain tensors
 
@@ -410,10 +385,9 @@ def _decode(decoder, state, prompt_ids, prompt_mask, config, choose, uniforms, a
     logits = decoder.prefill(ids, mask, state)  # (R, V)
     eos_ids = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     eos = torch.tensor(eos_ids, device=ids.device)
-    sequence = processor_sequence(prompt_ids, state.rows, state.prompt_width, state.new_tokens)
 
     def begin() -> None:
-        state.begin(sequence, logits, uniforms, rows, pad)
+        state.begin(prompt_ids, logits, uniforms, pad)
 
     forward = decoder.eager_forward
     if decoder.compiled:
@@ -428,7 +402,7 @@ def _decode(decoder, state, prompt_ids, prompt_mask, config, choose, uniforms, a
         # the decoder's kind, compiled or not: the steps' kernels differ
         key = (type(decoder).__name__, decoder.compiled, sampling_key(config))
         pointers = decoder.weight_pointers()
-        replay, captured = graph_for(state, key, pointers, run_step, (eos,), decoder.CAPTURE_FALLBACK)
+        replay, captured = graph_for(state, key, pointers, run_step, (eos, choose), decoder.CAPTURE_FALLBACK)
         if captured:
             begin()  # warming the capture up ran steps on the state
     return run(state, replay, config.max_new_tokens, rows, all_done)

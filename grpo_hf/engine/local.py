@@ -7,7 +7,6 @@ the knobs mean what they mean there) and recording the sampler's log-probs of th
 own engines (`transformers_generate`) for what the loop does not do.
 """
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -208,7 +207,7 @@ def _decode(
     whichever rows finish early, so any decoder samples the same tokens for the same seed.
     """
     processors = logits_processors(config, prompt_ids.shape[1], prompt_ids.device)
-    decoder = decoder_for(model, config.max_new_tokens, backend, processors)
+    decoder = decoder_for(model, config.max_new_tokens, backend)
     rows, device = prompt_ids.shape[0], prompt_ids.device
     uniforms = (
         torch.rand(config.max_new_tokens, rows, 1, dtype=torch.float64, device=device)
@@ -222,7 +221,7 @@ def _decode(
         if decoded is not None:
             return decoded
         # 'auto' after a failed capture: the shrinking loop's decoder from now on
-        decoder = decoder_for(model, config.max_new_tokens, backend, processors)
+        decoder = decoder_for(model, config.max_new_tokens, backend)
     logits = decoder.prefill(prompt_ids, prompt_mask)  # (B, V)
     eos = torch.tensor(
         config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id],
@@ -268,9 +267,10 @@ def _decode_fixed(
     """A fixed-shape decoder's (B, C) tokens and log-probs; None where capturing its step failed
     under 'auto', which then decodes the model with rows leaving as they end (`fixed_shape.give_up`).
     An explicit backend's failed capture is an error naming the setting that avoids it."""
-    choose = functools.partial(next_tokens, processors)
     try:
-        return fixed_shape.decode(decoder, prompt_ids, prompt_mask, config, choose, uniforms, all_done)
+        return fixed_shape.decode(
+            decoder, prompt_ids, prompt_mask, config, processors, next_tokens, uniforms, all_done
+        )
     except fixed_shape.CaptureFailed as error:
         if backend != "auto":
             raise
