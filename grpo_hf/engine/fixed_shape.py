@@ -11,8 +11,9 @@ the same shapes and the same memory at every replay. So here:
 - the cache and every input and output of the step live in the buffers of a `DecodeState`,
   allocated once per model and bucket (the decoder keeps the cache in the weights' dtype on a GPU,
   float32 on a CPU);
-- the step (`step`) samples inside, with the loop's logits processors and its inverse-CDF sampling
-  on uniforms drawn up front, records its token and log-prob, and advances a step counter held on
+- the step (`step`) samples inside, with the loop's logits processors (those that read the
+  sequence's length or last tokens in their fixed-shape forms, `fixed_processors`) and its
+  inverse-CDF sampling on uniforms drawn up front, records its token and log-prob, and advances a step counter held on
   the device; rows that finished stay in the batch and record padding;
 - the weights a step reads keep their memory: q/k/v and gate/up are joined into buffers rewritten
   in place when the weights change (`JoinedWeights`), the rest are read where they lie, and a graph
@@ -284,8 +285,7 @@ def graph_for(
     """The replay of the step for `key` (decoder, compiled or not, sampling settings), and whether
     it was captured just now (capturing runs steps on the state). Captured again when a weight it
     reads moved (`pointers`); `keep`: what the step reads that nothing else holds (tensors, the
-    processors' masks); `fallback`:
-    the setting a failed capture's error names."""
+    processors' masks); `fallback`: the setting a failed capture's error names."""
     cached = state.graphs.pop(key, None)  # a stale graph's memory goes before capturing anew
     if cached is not None and cached[1] == pointers:
         state.graphs[key] = cached
@@ -366,8 +366,9 @@ def decode(
     `compiled_step`), `CAPTURE_FALLBACK` (what to set when capturing fails), `prefill(ids, mask,
     state)`, `eager_forward(token, t)` and `weight_pointers()`. `processors` are the loop's
     (`fixed_processors.for_fixed_shapes` makes their fixed-shape forms), `choose(processors,
-    sequence, logits, uniforms)` its sampling; `uniforms` (N, B, 1) its numbers (None: greedy). Autocast is off, as in the shrinking loop's decoding (a graph must not read
-    autocast's cached weight casts, which go with the autocast region).
+    sequence, logits, uniforms)` its sampling; `uniforms` (N, B, 1) its numbers (None: greedy).
+    Autocast is off, as in the shrinking loop's decoding (a graph must not read autocast's cached
+    weight casts, which go with the autocast region).
     """
     state = buffers_of(decoder.model).state(prompt_ids, decoder.max_new_tokens, decoder.vocab)
     with torch.inference_mode(), torch.autocast(prompt_ids.device.type, enabled=False):
