@@ -13,8 +13,8 @@ the same shapes and the same memory at every replay. So here:
   float32 on a CPU);
 - the step (`step`) samples inside, with the loop's logits processors (those that read the
   sequence's length or last tokens in their fixed-shape forms, `fixed_processors`) and its
-  inverse-CDF sampling on uniforms drawn up front, records its token and log-prob, and advances a step counter held on
-  the device; rows that finished stay in the batch and record padding;
+  inverse-CDF sampling on uniforms drawn up front, records its token and log-prob, and advances a
+  step counter held on the device; rows that finished stay in the batch and record padding;
 - the weights a step reads keep their memory: q/k/v and gate/up are joined into buffers rewritten
   in place when the weights change (`JoinedWeights`), the rest are read where they lie, and a graph
   is captured again when any weight it reads has moved (`graph_for`);
