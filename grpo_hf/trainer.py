@@ -32,7 +32,7 @@ from datasets import Dataset, IterableDataset
 from peft import PeftConfig
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, set_seed
 from transformers.trainer_utils import rotate_checkpoints
 
 from grpo_hf.algorithm import masks
@@ -123,6 +123,7 @@ class GRPOTrainer(Trainer):
         """TRL 1.16's arguments, in TRL's order; then `ref_model` (ours: a reference other than the
         initial policy) and any other `transformers.Trainer` keyword."""
         args = GRPOConfig(output_dir=default_output_dir(model)) if args is None else args
+        set_seed(args.seed)  # before the models and adapters are made (PEFT's start random), as TRL does
         # First, so that a Hub repo for the completions that cannot be made fails before any model work.
         self.completion_log = CompletionLog(args, args.process_index == 0)
         pool = self.environment_pool = environment_pool(environment_factory, args)

@@ -96,6 +96,31 @@ def test_lora_moves_only_adapters_and_base_is_the_reference(tmp_path, build, tar
         assert not torch.allclose(policy_logps, original_logps)  # the adapters did learn something
 
 
+def test_the_seed_decides_where_the_adapters_start(tmp_path):
+    """PEFT draws each LoRA A at random: the trainer sets `seed` before making them (as TRL does), so
+    two runs with one seed start from the same adapters whatever random numbers their scripts drew
+    before, and another seed starts elsewhere."""
+
+    def first_adapters(seed: int, drawn_before: int) -> dict[str, torch.Tensor]:
+        model = tiny_llama()
+        torch.rand(drawn_before)  # what a script may have drawn: the global random state moves on
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=length_reward,
+            args=make_config(tmp_path, seed=seed),
+            train_dataset=chat_dataset(),
+            processing_class=tiny_tokenizer(),
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        )
+        return {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters() if "lora_A" in n}
+
+    first, again, other = first_adapters(0, 1), first_adapters(0, 5), first_adapters(1, 1)
+    assert len(first) == 4  # q and v of two layers
+    for name, weight in first.items():
+        assert torch.equal(weight, again[name]), name
+        assert not torch.equal(weight, other[name]), name
+
+
 def test_beta_zero_builds_no_reference(tmp_path):
     trainer = FixedCompletionsTrainer(
         model=tiny_llama(),
