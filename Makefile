@@ -2,10 +2,17 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# A CPU build of torch; on a GPU machine run e.g. `make TORCH_SPEC=torch install`.
+# From PyPI on Linux this is torch's CUDA build, which runs on a CPU too where there is no GPU (this
+# project's build machines get the CPU build from their own package index). For the smaller CPU-only
+# build pass TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu".
 TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 TRAIN_CONFIG ?= recipes/configs/smollm2_lora_arithmetic.yaml
-ACCELERATE_CONFIG ?= recipes/accelerate/cpu.yaml
+# The launcher config follows the hardware: one process on the GPU where the environment's torch sees
+# a CUDA GPU (gpu.yaml), one on the CPU elsewhere (cpu.yaml); bench/learning_curve.py chooses alike.
+# Evaluated when `make train` runs, after the install.
+ACCELERATE_CONFIG ?= recipes/accelerate/$(shell $(BIN)/python -c \
+	"import torch; print('gpu' if torch.cuda.is_available() else 'cpu')").yaml
 # vLLM's CPU build in an environment of its own (its transformers pin must not hold the main suite
 # back). It needs torch 2.13.0+cpu: where pip does not find that build, pass e.g.
 # VLLM_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu".
@@ -19,7 +26,7 @@ VLLM_PIP_ARGS ?=
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
@@ -77,8 +84,8 @@ bench-memory: install
 	$(BIN)/python bench/memory.py $(BENCH_MEMORY_ARGS)
 
 # Generation and GRPO steps on a GPU, ours against TRL, with transformers' static-cache generate as the
-# reference line (bench/gpu_decode.py); results in bench/results/gpu_decode.json. Install with
-# `make TORCH_SPEC=torch install` on a GPU machine; without the hub pass BENCH_GPU_ARGS="--model-config DIR"
+# reference line (bench/gpu_decode.py); results in bench/results/gpu_decode.json. `make install` gets
+# torch's CUDA build from PyPI (TORCH_SPEC above); without the hub pass BENCH_GPU_ARGS="--model-config DIR"
 # (a folder with SmolLM2-135M's config.json and tokenizer).
 bench-gpu: install
 	$(BIN)/pip install --quiet -e ".[bench]"

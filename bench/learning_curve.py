@@ -82,8 +82,9 @@ def train(args: argparse.Namespace, output_dir: Path) -> float:
     if args.trainer == "trl":
         command = [sys.executable, str(TRL_RECIPE), *recipe_args(args, output_dir)]
     else:
+        device = "gpu" if torch.cuda.is_available() else "cpu"  # the Makefile's ACCELERATE_CONFIG choice
         launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-                    str(ROOT / "recipes" / "accelerate" / "cpu.yaml")]  # fmt: skip
+                    str(ROOT / "recipes" / "accelerate" / f"{device}.yaml")]  # fmt: skip
         command = [*launcher, str(RECIPE), *recipe_args(args, output_dir)]
     env = dict(os.environ, WANDB_MODE="disabled")
     if args.core is not None:

@@ -36,8 +36,9 @@ def trl_settings(config: GRPOConfig, trl_fields: set[str]) -> tuple[dict, list[s
     }
     given = {name: value for name, value in changed.items() if name in trl_fields}
     given["output_dir"] = config.output_dir
-    # What precision (ours only) resolved to, and the device it resolved with it: bf16 on a CPU makes
-    # ours set use_cpu, which TRL, given bf16 alone, would not (TRL's bf16 default differs as well).
+    # What precision (ours only) resolved to, and the device ours resolved: use_cpu where torch sees no
+    # accelerator or for bf16 on a CPU, which TRL, given bf16 alone, would not set (TRL's bf16 default
+    # differs as well).
     given["bf16"], given["use_cpu"] = config.bf16, config.use_cpu
     return given, sorted(set(changed) - trl_fields - {"precision"})
 

@@ -231,7 +231,7 @@ def test_trl_recipe_hands_trl_what_the_run_changed(tmp_path):
     if torch.cuda.is_available():
         assert given["bf16"] is torch.cuda.is_bf16_supported(including_emulation=False)
         assert given["use_cpu"] is False
-    else:  # bf16 where the CPU has it natively, and with it the CPU device, which TRL given bf16 alone
-        # would not pick; float32 elsewhere, on the device TRL picks itself
-        assert given["bf16"] is given["use_cpu"] is native_bf16()
+    else:  # bf16 where the CPU has it natively, float32 elsewhere; use_cpu, as ours sets it where torch
+        # sees no accelerator (TRL, given bf16 alone on a CPU, would refuse it for want of a GPU)
+        assert given["bf16"] is native_bf16() and given["use_cpu"] is True
     assert "max_prompt_length" in missing and "precision" not in missing

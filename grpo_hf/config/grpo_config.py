@@ -204,6 +204,7 @@ class GRPOConfig(
     )
 
     def __post_init__(self) -> None:
+        self._resolve_device()
         self._resolve_precision()
         self._resolve_checkpointing()
         super().__post_init__()
@@ -221,6 +222,13 @@ class GRPOConfig(
         self.check_async_settings()
         if self.eval_strategy != "no" or self.do_eval:
             self.check_eval_batch()
+
+    def _resolve_device(self) -> None:
+        """use_cpu where torch sees no accelerator (CUDA, MPS, XPU, ...): the device follows the hardware,
+        so no config has to name it. The CPU is the device there either way; use_cpu also keeps
+        transformers from pinning memory for an accelerator that is not there (torch warns about it)."""
+        if not torch.accelerator.is_available():
+            self.use_cpu = True
 
     def _resolve_precision(self) -> None:
         """precision -> the --bf16 flag; 'auto' from what the device computes natively. Unset, with
