@@ -5,7 +5,8 @@ The settings come in sections, each a dataclass `GRPOConfig` inherits with its o
 (the policy term, importance sampling, KL), `generation_args` (the generation backend: vLLM,
 transformers' generate, generation_kwargs) and `async_args` (async GRPO: max_staleness). This file
 holds the TrainingArguments defaults GRPO overrides, the model-loading, speed and logging settings,
-and `__post_init__`, which resolves and checks them in order.
+and `__post_init__`, which resolves and checks them in order, `report_to` last (`reporting`: each
+integration it names can start).
 """
 
 import logging
@@ -25,6 +26,7 @@ from grpo_hf.config.loss_args import (
     check_sampler_settings,
     loss_type_warnings,
 )
+from grpo_hf.config.reporting import check_report_to
 from grpo_hf.config.rollout_args import REWARD_ERROR_POLICIES, SCALE_REWARDS, RolloutArguments
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.decoding import DECODERS
@@ -222,6 +224,7 @@ class GRPOConfig(
         self.check_async_settings()
         if self.eval_strategy != "no" or self.do_eval:
             self.check_eval_batch()
+        check_report_to(self.report_to, main_process=self.process_index == 0)  # last: it may set WANDB_MODE
 
     def _resolve_device(self) -> None:
         """use_cpu where torch sees no accelerator (CUDA, MPS, XPU, ...): the device follows the hardware,
