@@ -16,7 +16,7 @@ orchestrates. One generation round, and where each step lives:
 - `compute_loss`: log-probs of the completion tokens, then the pure `algorithm.loss.grpo_loss` with
   the masks and sampler weights of `algorithm.masks`;
 - around it (`training/`): metrics, completion logs, the adaptive entropy coefficient, checkpoints
-  with the GRPO state and, saved inside a round, its remaining micro-batches.
+  with the GRPO state and, saved inside a round, its remaining micro-batches; the model card.
 """
 
 import functools
@@ -93,6 +93,7 @@ from grpo_hf.training.checkpoints import (
 from grpo_hf.training.completion_logs import CompletionLog, completion_rows
 from grpo_hf.training.entropy_control import EntropyCoefficient
 from grpo_hf.training.metrics import IntervalMetrics, StepTimer, micro_step_values, round_metrics
+from grpo_hf.training.model_card import ModelCardWriter, Tags
 from grpo_hf.training.moe import RouterAuxLoss
 
 logger = logging.getLogger(__name__)
@@ -223,6 +224,7 @@ class GRPOTrainer(Trainer):
         self.add_callback(ReferenceSync(self.accelerator, lambda: self.model, self.ref_model))
         self.interrupt = SaveOnInterrupt(self.accelerator)
         self.add_callback(self.interrupt)
+        self.model_card = ModelCardWriter(self)  # tags the model for the Hub, as TRL does
 
     # ---- Data ---------------------------------------------------------------------------------
 
@@ -407,14 +409,11 @@ class GRPOTrainer(Trainer):
     ) -> rollout.Rollout:
         """Sample one completion per row, of at most `max_new_tokens` (default max_completion_length)
         tokens, from the policy of this optimizer step. Tests override this to feed fixed completions."""
-        thread_generate = getattr(self._thread_generate, "call", None)
-        if (
-            thread_generate is not None
-        ):  # a rollout_func on async GRPO's generation thread: this process alone
+        # A rollout_func on async GRPO's generation thread: this process alone.
+        if (thread_generate := getattr(self._thread_generate, "call", None)) is not None:
             return thread_generate(prompt_ids, prompt_mask, max_new_tokens)
-        sampling = (
-            self.sampling if max_new_tokens is None else self.sampling.with_max_new_tokens(max_new_tokens)
-        )
+        full = max_new_tokens is None
+        sampling = self.sampling if full else self.sampling.with_max_new_tokens(max_new_tokens)
         return self.generator.generate(prompt_ids, prompt_mask, sampling, self.policy_version)
 
     @property
@@ -451,11 +450,7 @@ class GRPOTrainer(Trainer):
         return (loss, None) if return_outputs else loss
 
     def _record_loss_metrics(
-        self,
-        metrics: dict[str, torch.Tensor],
-        old: torch.Tensor,
-        inputs: dict,
-        sampler_weights: torch.Tensor | None,
+        self, metrics: dict[str, Tensor], old: Tensor, inputs: dict, sampler_weights: Tensor | None
     ) -> None:
         """Record a micro-step's loss metrics and, for completions whose sampler log-probs were recorded,
         how far the sampler is from pi_old (`sampler_correction.sampler_metrics`): token means over the
@@ -541,8 +536,21 @@ class GRPOTrainer(Trainer):
 
     # ---- Checkpoints --------------------------------------------------------------------------
 
+    def create_model_card(
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: Tags = None
+    ) -> None:
+        """TRL's: README.md in output_dir (`training.model_card`); push_to_hub calls it."""
+        self.model_card.write(self.args.output_dir, model_name, dataset_name, tags)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Save as the Trainer does, then the model card beside the weights (save_model, checkpoints)."""
+        super()._save(output_dir, state_dict)
+        self.model_card.write(output_dir or self.args.output_dir)
+
     def _save_checkpoint(self, model, trial):
-        """Save as the Trainer does, then the GRPO state (the completion marker), then rotate."""
+        """The model card in output_dir (as TRL: the Trainer may push that folder), then save as the
+        Trainer does, then the GRPO state (the completion marker), then rotate."""
+        self.create_model_card()
         limit = self.args.save_total_limit
         self.args.save_total_limit = None  # no rotation before this checkpoint is complete
         try:

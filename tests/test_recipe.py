@@ -47,6 +47,8 @@ def test_recipe_trains_evaluates_plots_and_saves(tmp_path):
     assert (tmp_path / "adapter_config.json").is_file()
     assert (tmp_path / "adapter_model.safetensors").is_file()
     assert (tmp_path / "checkpoint-2" / "grpo_state.json").is_file()
+    card = (tmp_path / "README.md").read_text()  # the model card beside the adapter
+    assert "library_name: peft" in card and "- grpo-hf" in card and "| optimizer steps | 2 |" in card
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert merged.config.model_type == "llama"
     assert not any("lora" in name for name, _ in merged.named_parameters())

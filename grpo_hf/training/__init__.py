@@ -1,3 +1,4 @@
 """The training plumbing around the loss: checkpoints and their GRPO state (`checkpoints`), metrics
 (`metrics`), completion logs (`completion_logs`), the adaptive entropy coefficient
-(`entropy_control`) and the MoE router loss (`moe`)."""
+(`entropy_control`), the MoE router loss (`moe`) and the model card written beside saved weights
+(`model_card`)."""
