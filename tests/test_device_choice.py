@@ -54,6 +54,14 @@ def test_every_recipe_config_trains_on_the_gpu_where_there_is_one(path, tmp_path
     assert not args.use_cpu and args.bf16  # precision: auto, on a GPU that computes bf16
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", RECIPE_CONFIGS, ids=lambda p: p.name)
+def test_on_this_gpu_every_recipe_config_trains_on_it(path, tmp_path):
+    args = recipe_config(path, tmp_path)
+    assert args.device.type == "cuda" and not args.use_cpu
+    assert args.bf16 is torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 @pytest.mark.cpu_kind
 @pytest.mark.parametrize("path", RECIPE_CONFIGS, ids=lambda p: p.name)
 def test_without_an_accelerator_a_recipe_config_resolves_as_with_use_cpu(path, tmp_path, no_accelerator):
