@@ -471,6 +471,28 @@ def test_a_reward_function_raising_reaches_the_trainer_as_itself(tmp_path, serve
     assert [path for path, _ in server.requests].count("/collective_rpc") == 1  # the initial weights only
 
 
+@pytest.mark.parametrize("max_staleness", [0, 1], ids=["sync", "async"])
+def test_a_base_exception_from_a_reward_function_reaches_the_trainer_at_once(tmp_path, server, max_staleness):
+    """An async reward function raising asyncio.CancelledError (a BaseException, not an Exception) on
+    round 1: train() raises it at step 1 in async GRPO (scored on the generation thread) as in
+    synchronous training, not after heartbeat_stale_after_s with the server blamed."""
+    calls = []
+
+    async def judge(completions, **kwargs):
+        calls.append(len(completions))
+        if len(calls) > 1:
+            raise asyncio.CancelledError("judge request cancelled")
+        return [1.0] * len(completions)
+
+    trainer = trainer_for(
+        tmp_path, server.url, reward=judge, max_staleness=max_staleness, heartbeat_stale_after_s=60.0
+    )
+    start = time.monotonic()
+    with pytest.raises(asyncio.CancelledError):
+        trainer.train()
+    assert time.monotonic() - start < 30 and trainer.state.global_step == 1 and no_generation_thread()
+
+
 def test_an_error_on_the_training_thread_aborts_the_requests_in_flight(tmp_path, server):
     """Rounds 1-3 are in flight on a slow server when training fails: train() ends at once, the
     requests aborted, no thread left."""

@@ -6,8 +6,10 @@ not taken yet; the thread makes them in order: `produce(index, rows, version, cl
 scores one (HTTP through the thread's own client, reward functions; no torch.distributed call,
 which stays on the training thread). The training thread waits on it (`wait_for`, `drain`):
 
-- an error on the thread (no server, a request timing out, a reward function raising) is raised
-  by the training thread's next wait, as it was raised (a reward function's own exception);
+- an error on the thread (no server, a request timing out, a reward function raising, any
+  `BaseException`: asyncio.CancelledError from an async reward function) is raised by the training
+  thread's next wait, as it was raised (a reward function's own exception), as synchronous
+  training raises it;
 - a thread from which nothing comes back (no answer from the server: `tick`, no round made) for
   `heartbeat_s` seconds while the trainer waits is an error;
 - every wait ends with every process learning whether any failed (`_agree`: a small gather on the
@@ -62,7 +64,7 @@ class RoundQueue:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: VLLMClient | None = None
-        self._error: Exception | None = None
+        self._error: BaseException | None = None
         self._progress = 0.0  # when the server last answered the thread, or it made a round (time.monotonic)
 
     def tick(self) -> None:
@@ -115,7 +117,7 @@ class RoundQueue:
             error = error or self._error
         self._agree(error)
 
-    def _agree(self, error: Exception | None) -> None:
+    def _agree(self, error: BaseException | None) -> None:
         """Raise `error` (this process's) or a peer's: every process raises if any failed."""
         failures = []
         if self.accelerator.num_processes > 1:
@@ -146,7 +148,9 @@ class RoundQueue:
                 making = self.rounds[self._todo.popleft()]
             try:
                 scored = self._produce(making.index, making.rows, making.version, self._client)
-            except Exception as error:  # raised again by the training thread's next wait
+            except BaseException as error:  # raised again by the training thread's next wait, whatever it is
+                # (asyncio.CancelledError from an async reward function too): a thread that ends without
+                # saying why would leave the trainer waiting for heartbeat_stale_after_s
                 with self.changed:
                     self._error = None if self._stop.is_set() else error
                     self.changed.notify_all()
