@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from fake_vllm_server import FakeVLLMServer
@@ -23,6 +24,7 @@ from grpo_hf import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOTrainer
 from grpo_hf.data import rollout
 from grpo_hf.engine.vllm.requests import request_seed
 from grpo_hf.episodes.async_rounds import ASYNC_FILE
+from grpo_hf.rewards import reward_outputs
 from grpo_hf.training.checkpoints import STATE_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -375,6 +377,36 @@ def test_a_round_older_than_max_staleness_is_dropped_counted_and_sampled_again(t
     again = rounds_requested(server, [None, None, 9, 9])  # round 3 read at step 3, from version 9 too
     assert again[2] == first[2] and again[:2] == [[], []]  # the same prompts, from version 9
     assert logged(resumed, "sample/staleness_mean")[2:] == [0.0, 1.0]  # steps 3-4 (1-2: the checkpoint's log)
+
+
+def numpy_logging_reward(completions, log_extra, **kwargs):
+    """The length reward, also logged as a completions-table column of NumPy values."""
+    values = np.array(length_reward(completions))
+    log_extra("length", values)
+    return values.tolist()
+
+
+def test_a_checkpoint_whose_rounds_hold_what_rewards_logged_resumes(tmp_path, server):
+    """A reward function logs NumPy values with log_extra; the checkpoint of step 2 holds round 2 (sampled
+    ahead) with them: resume_from_checkpoint=True reads it back and trains on to step 4."""
+    saving = dict(reward=numpy_logging_reward, save_strategy="steps", save_steps=2)
+    trainer_for(tmp_path, server.url, callbacks=[StopAfter(2)], **saving).train()
+    resumed = trainer_for(tmp_path, server.url, **saving)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+
+
+def test_a_checkpoint_that_cannot_be_read_back_fails_when_saved(tmp_path, server, monkeypatch):
+    """Should a queued round hold a value torch.load(weights_only=True) refuses (here log_extra made to keep
+    NumPy values), saving fails at once, naming the file, and the checkpoint is not marked complete."""
+    monkeypatch.setattr(reward_outputs, "cell_value", lambda value: value)
+    trainer = trainer_for(
+        tmp_path, server.url, reward=numpy_logging_reward, save_strategy="steps", save_steps=2
+    )
+    with pytest.raises(ValueError, match=r"grpo_async_0.pt.tmp .* cannot be read back.*numpy"):
+        trainer.train()
+    assert trainer.state.global_step == 2 and no_generation_thread()
+    assert not (tmp_path / "checkpoint-2" / STATE_FILE).exists()
 
 
 # ---- Exact resume -------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ process at once; `stop` aborts the requests in flight and joins it): `episodes.r
 import contextlib
 import logging
 import os
+import pickle
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -210,10 +211,23 @@ class AsyncRounds(TrainerCallback):
 
     def save(self, folder: str) -> None:
         """Write this process's rounds not trained on yet and the version counter into a checkpoint
-        folder (temp file, then rename), once the thread has made every round it was given."""
+        folder (temp file, read back as `load` reads it, then renamed), once the thread has made every
+        round it was given. A file that cannot be read back fails here, on every process, before the
+        checkpoint is marked complete (resume_from_checkpoint=True then takes the previous one)."""
         self.queue.drain()
         path = os.path.join(folder, ASYNC_FILE.format(self.queue.accelerator.process_index))
         torch.save({"version": self.version, "rounds": self.queue.state()}, path + ".tmp")
+        error = None
+        try:
+            torch.load(path + ".tmp", weights_only=True)
+        except pickle.UnpicklingError as unreadable:
+            reason = str(unreadable).partition("WeightsUnpickler error: ")[2].partition(". ")[0]
+            error = ValueError(
+                f"{path}.tmp (async GRPO's rounds not trained on yet: their completions and what reward functions "
+                f"logged) cannot be read back by torch.load(weights_only=True), so the checkpoint could not be "
+                f"resumed: {reason or unreadable}. It is left incomplete."
+            )
+        self.queue.agree(error)
         os.replace(path + ".tmp", path)
 
     def load(self, folder: str) -> None:

@@ -12,7 +12,7 @@ which stays on the training thread). The training thread waits on it (`wait_for`
   training raises it;
 - a thread from which nothing comes back (no answer from the server: `tick`, no round made) for
   `heartbeat_s` seconds while the trainer waits is an error;
-- every wait ends with every process learning whether any failed (`_agree`: a small gather on the
+- every wait ends with every process learning whether any failed (`agree`: a small gather on the
   training thread), so none goes on into a collective that a failed peer will never join;
 - `stop` aborts the requests in flight (`VLLMClient.abort`) and joins the thread.
 """
@@ -99,7 +99,7 @@ class RoundQueue:
 
     def wait_until(self, ready: Callable[[], bool], what: str) -> None:
         """Wait (on the lock) until `ready()`, the thread fails, or heartbeat_s pass with nothing back from
-        it; then every process learns whether any failed (`_agree`)."""
+        it; then every process learns whether any failed (`agree`)."""
         error = None
         with self.changed:
             since = time.monotonic()
@@ -115,10 +115,11 @@ class RoundQueue:
                     break
                 self.changed.wait(timeout=min(1.0, self.heartbeat_s))
             error = error or self._error
-        self._agree(error)
+        self.agree(error)
 
-    def _agree(self, error: BaseException | None) -> None:
-        """Raise `error` (this process's) or a peer's: every process raises if any failed."""
+    def agree(self, error: BaseException | None) -> None:
+        """Raise `error` (this process's) or a peer's: every process raises if any failed (every process
+        calls it)."""
         failures = []
         if self.accelerator.num_processes > 1:
             said = None if error is None else (type(error).__name__, f"{type(error).__name__}: {error}")
