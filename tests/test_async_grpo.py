@@ -56,10 +56,13 @@ def trainer_for(tmp_path, url: str, callbacks=None, reward=length_reward, eval_d
 
 def rounds_requested(server: FakeVLLMServer, versions: list[int], processes: int = 1) -> list[list]:
     """The prompts the server was asked for, round by round, found by their request seeds: round r
-    sampled from policy version versions[r] (`request_seed(seed 0, version, r, k x processes + p)`,
-    k a prompt's place in process p's share). A request whose seed fits no (round, version) fails."""
+    sampled from policy version versions[r] in one call (`request_seed(seed 0, version, 'round r.0',
+    k x processes + p)`, k a prompt's place in process p's share). A request whose seed fits no
+    (round, version) fails."""
     keys = range(2 * processes)
-    seeds = {request_seed(0, version, r, key): r for r, version in enumerate(versions) for key in keys}
+    seeds = {
+        request_seed(0, version, f"round {r}.0", key): r for r, version in enumerate(versions) for key in keys
+    }
     prompts = [[] for _ in versions]
     for body in server.completions():
         assert body["seed"] in seeds, f"a request from no expected (round, version): {body['seed']}"
@@ -114,23 +117,35 @@ def test_async_grpo_trainer_takes_trls_arguments_in_trls_order(tmp_path, server)
         AsyncGRPOTrainer(tiny_llama(), length_reward, synchronous, chat_dataset(), TOKENIZER)
 
 
+def tokenized(trainer, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    tokenizer = trainer.processing_class
+    texts = [rollout.render_prompt(tokenizer, prompt) for prompt in prompts]
+    return rollout.tokenize_prompts(tokenizer, texts, None, trainer.accelerator.device)
+
+
+def rollout_output(ids, mask, result: rollout.Rollout) -> dict:
+    """A rollout_func's output: the prompts and `result`'s completions and sampler log-probs."""
+    completion = result.completion_mask.bool()
+    return {
+        "prompt_ids": [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)],
+        "completion_ids": [row[m].tolist() for row, m in zip(result.completion_ids, completion, strict=True)],
+        "logprobs": [row[m].tolist() for row, m in zip(result.sampler_logps, completion, strict=True)],
+    }
+
+
 def test_a_rollout_func_samples_on_the_generation_thread(tmp_path, server):
     """A rollout_func's generate_completions calls, on the generation thread, sample this process's
     rows alone from the round's policy version, as many calls as it likes (here two, the first cut
-    to 2 tokens)."""
+    to 2 tokens), each with its own request seeds: the second call's samples are not the first's
+    again (the fake server's first token follows the seed)."""
     calls = []
 
     def rollout_func(prompts, trainer):
-        tokenizer = trainer.processing_class
-        texts = [rollout.render_prompt(tokenizer, prompt) for prompt in prompts]
-        ids, mask = rollout.tokenize_prompts(tokenizer, texts, None, trainer.accelerator.device)
+        ids, mask = tokenized(trainer, prompts)
         first, second = (trainer.generate_completions(ids, mask, limit) for limit in (2, None))
-        calls.append((threading.current_thread().name, first.completion_mask.sum(dim=1).max().item()))
-        return {
-            "prompt_ids": [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)],
-            "completion_ids": [row[m.bool()].tolist() for row, m in zip(second.completion_ids, second.completion_mask, strict=True)],
-            "logprobs": [row[m.bool()].tolist() for row, m in zip(second.sampler_logps, second.completion_mask, strict=True)],
-        }  # fmt: skip
+        again = torch.equal(first.completion_ids[:, 0], second.completion_ids[:, 0])
+        calls.append((threading.current_thread().name, first.completion_mask.sum(dim=1).max().item(), again))
+        return rollout_output(ids, mask, second)
 
     args = make_config(tmp_path, **SERVER, vllm_server_base_url=server.url, max_staleness=1, max_steps=3)
     trainer = GRPOTrainer(
@@ -142,10 +157,10 @@ def test_a_rollout_func_samples_on_the_generation_thread(tmp_path, server):
         rollout_func=rollout_func,
     )
     trainer.train()
-    assert (
-        calls == [("grpo-async-rounds", 2)] * 3
-    )  # three rounds, each sampled ahead, the first call cut to 2
-    assert len(server.completions()) == 3 * 2 * 2  # 3 rounds x 2 calls x 2 distinct prompts
+    # Three rounds, each sampled ahead, the first call cut to 2, the second with samples of its own.
+    assert calls == [("grpo-async-rounds", 2, False)] * 3
+    seeds = [body["seed"] for body in server.completions()]
+    assert len(seeds) == len(set(seeds)) == 3 * 2 * 2  # 3 rounds x 2 calls x 2 distinct prompts
     assert logged(trainer, "sample/staleness_max") == [0, 1, 1]
     assert no_generation_thread()
 
@@ -226,6 +241,50 @@ def test_tool_episodes_run_on_the_generation_thread(tmp_path, source):
             logged(trainer, "reward/Ledger") == [1.0] * 3
         )  # each episode's one call, scored on its instance
     assert no_generation_thread()
+
+
+def some_teach(completion_ids, answer, **kwargs):
+    """Prompts 1, 3, ... teach (their samples' lengths differ); the others score 1 throughout."""
+    return [
+        float(len(ids)) if int(a) % 4 == 2 else 1.0 for ids, a in zip(completion_ids, answer, strict=True)
+    ]
+
+
+def sampling_twice(prompts, trainer):
+    """A rollout_func sampling the prompts twice, training on the second call's samples."""
+    ids, mask = tokenized(trainer, prompts)
+    trainer.generate_completions(ids, mask)
+    return rollout_output(ids, mask, trainer.generate_completions(ids, mask))
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1], ids=["sync", "async"])
+@pytest.mark.parametrize("source", ["rollout_func", "tool_turns", "extra_rounds"])
+def test_no_two_requests_share_a_seed(tmp_path, max_staleness, source):
+    """Every request of 3 steps has a seed of its own, synchronous or async: a rollout_func's two calls
+    of one round, the turns of tool episodes, and dynamic sampling's extra rounds (sampled on the
+    training thread, beside the generation thread's rounds)."""
+    fake = FakeVLLMServer(EOS, tool_then_answer if source == "tool_turns" else None)
+    settings = SERVER | dict(vllm_server_base_url=fake.url, max_staleness=max_staleness, max_steps=3)
+    extra, reward = {}, length_reward
+    if source == "rollout_func":
+        extra = {"rollout_func": sampling_twice}
+    elif source == "tool_turns":
+        extra, settings = {"tools": [add]}, settings | dict(max_completion_length=128)
+    else:
+        reward, settings = some_teach, settings | dict(dynamic_sampling=True, max_dynamic_sampling_rounds=4)
+    try:
+        GRPOTrainer(
+            tiny_llama(),
+            reward,
+            make_config(tmp_path, **settings),
+            chat_dataset(),
+            processing_class=TOKENIZER,
+            **extra,
+        ).train()
+    finally:
+        fake.close()
+    seeds = [body["seed"] for body in fake.completions()]
+    assert len(seeds) > 3 * 2 and len(set(seeds)) == len(seeds)  # more than one call for 3 rounds x 2 prompts
 
 
 # ---- The rounds: versions, overlap, data order, metrics ---------------------------------------------
@@ -324,12 +383,9 @@ def test_dynamic_sampling_tops_rounds_up_from_the_synced_weights(tmp_path, serve
 
     threads = set()
 
-    def some_teach(completion_ids, answer, **kwargs):
-        """Prompts 1, 3, ... teach (their samples' lengths differ); the others score 1 throughout."""
+    def some_teach_here(completion_ids, answer, **kwargs):
         threads.add(threading.current_thread().name)
-        return [
-            float(len(ids)) if int(a) % 4 == 2 else 1.0 for ids, a in zip(completion_ids, answer, strict=True)
-        ]
+        return some_teach(completion_ids, answer)
 
     spread = []
 
@@ -339,7 +395,7 @@ def test_dynamic_sampling_tops_rounds_up_from_the_synced_weights(tmp_path, serve
             spread.append(bool((advantages != 0).any(dim=1).all()))
 
     trainer = trainer_for(
-        tmp_path, server.url, reward=some_teach, callbacks=[Batches()], max_steps=3, dynamic_sampling=True,
+        tmp_path, server.url, reward=some_teach_here, callbacks=[Batches()], max_steps=3, dynamic_sampling=True,
         max_dynamic_sampling_rounds=4, beta=0.0,
     )  # fmt: skip
     trainer.train()

@@ -38,6 +38,7 @@ process at once; `stop` aborts the requests in flight and joins it): `episodes.r
 """
 
 import contextlib
+import itertools
 import logging
 import os
 import pickle
@@ -268,10 +269,13 @@ def async_rounds(trainer) -> AsyncRounds | None:
     max_requests = 32 if args.max_inflight_tasks == -1 else args.max_inflight_tasks
 
     def produce(index: int, rows: list[dict], version: int, client: VLLMClient) -> ScoredRound:
+        calls = itertools.count()  # the round's calls (tool turns, a rollout_func's): each its own seeds
+
         def generate(prompt_ids, prompt_mask, max_new_tokens=None):
             used = sampling if max_new_tokens is None else sampling.with_max_new_tokens(max_new_tokens)
+            call = f"round {index}.{next(calls)}"
             return generator.generate_alone(
-                prompt_ids, prompt_mask, used, version, index, client, max_requests
+                prompt_ids, prompt_mask, used, version, call, client, max_requests
             )
 
         return trainer._sample_and_score(rows, generate)
