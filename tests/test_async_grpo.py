@@ -20,6 +20,7 @@ from trainer_helpers import chat_dataset, exact_resume, length_reward, make_conf
 from transformers import TrainerCallback
 from two_processes import launch_two_processes
 
+import grpo_hf.trainer
 from grpo_hf import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOTrainer
 from grpo_hf.data import rollout
 from grpo_hf.engine.vllm.requests import request_seed
@@ -502,6 +503,73 @@ def test_resume_continues_exactly_no_prompt_lost_or_seen_twice(tmp_path, stop_af
         straight.model.named_parameters(), resumed.model.named_parameters(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+class TrainedRounds:
+    """The prompts (their numbers) of each round trained, in order, recorded where the trainer prepares a
+    round it trains on (`recorded_episodes`)."""
+
+    def __init__(self, monkeypatch):
+        self.rounds: list[list[str]] = []
+        record = grpo_hf.trainer.recorded_episodes
+
+        def recorded(trainer, scored):
+            if trainer.model.training:
+                self.rounds.append(sorted({p[0]["content"].split()[2] for p in scored.prompts}))
+            return record(trainer, scored)
+
+        monkeypatch.setattr(grpo_hf.trainer, "recorded_episodes", recorded)
+
+
+def test_epochs_with_a_short_last_step_keep_the_samplers_order_straight_and_resumed(tmp_path, monkeypatch):
+    """10 prompts, 2 a round, 2 rounds an optimizer step (gradient_accumulation_steps=2,
+    steps_per_generation=1): each epoch's last step takes 1 round. Over 2 epochs async GRPO trains the
+    rounds of synchronous training in its order, none dropped or sampled twice; stopped after step 4
+    (inside epoch 2) and resumed, the same rounds again, none lost or trained twice."""
+    trained = TrainedRounds(monkeypatch)
+    settings = dict(max_steps=-1, num_train_epochs=2, gradient_accumulation_steps=2, steps_per_generation=1)
+
+    def run(folder, max_staleness, **more):
+        fake = FakeVLLMServer(EOS)
+        try:
+            more = settings | more | SERVER | dict(vllm_server_base_url=fake.url, max_staleness=max_staleness)
+            trainer = GRPOTrainer(
+                tiny_llama(), length_reward, make_config(folder, **more), chat_dataset(10), processing_class=TOKENIZER,
+                callbacks=[StopAfter(4)] if "save_steps" in more else None,
+            )  # fmt: skip
+            trainer.train(resume_from_checkpoint=more.get("resume_from_checkpoint"))
+        finally:
+            fake.close()
+        rounds, trained.rounds = trained.rounds, []
+        return trainer, rounds, len(fake.completions())
+
+    _, synchronous, _ = run(tmp_path / "sync", 0)
+    assert len(synchronous) == 10 and synchronous[:5] != synchronous[5:]  # 2 epochs of 5 rounds, reshuffled
+    straight, rounds, requests = run(tmp_path / "straight", 1)
+    assert rounds == synchronous and requests == 10 * 2  # each round sampled once: 2 prompts
+    assert straight.state.global_step == 6 and not logged(straight, "sample/dropped_stale_total")
+    _, before, _ = run(tmp_path / "stopped", 1, save_strategy="steps", save_steps=4)
+    resumed, after, requests = run(
+        tmp_path / "stopped", 1, resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-4")
+    )
+    assert before + after == synchronous and resumed.state.global_step == 6
+    assert len(before) == 7 and requests == 2  # round 9's 2 prompts: rounds 7 and 8 came from the checkpoint
+
+
+def test_a_checkpoint_trained_on_other_data_is_refused_before_training(tmp_path, server):
+    """The checkpoint's count of micro-batches trained disagrees with where the Trainer resumes (another
+    dataset or batch layout; here the count edited): a clear error, naming the settings, before any step."""
+    trainer_for(tmp_path, server.url, save_strategy="steps", save_steps=2, callbacks=[StopAfter(2)]).train()
+    path = tmp_path / "checkpoint-2" / ASYNC_FILE.format(0)
+    saved = torch.load(path, weights_only=True)
+    assert saved["trained"] == 2
+    torch.save(saved | {"trained": 3}, path)
+    resumed = trainer_for(tmp_path, server.url)
+    with pytest.raises(
+        ValueError, match="trained 3 micro-batches.*resumes after 2.*gradient_accumulation_steps"
+    ):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert resumed.state.global_step == 2 and no_generation_thread()
 
 
 # ---- Faults ---------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_utils import has_length
 
 from grpo_hf.data.rollout import ScoredRound
 from grpo_hf.engine.vllm.client import VLLMClient
@@ -58,6 +59,32 @@ from grpo_hf.rewards.scoring import RewardModel
 logger = logging.getLogger(__name__)
 
 ASYNC_FILE = "grpo_async_{}.pt"  # per process: the version counter and the rounds not trained on yet
+
+
+@dataclass(frozen=True)
+class EpochLayout:
+    """Where the Trainer's loop trains each micro-batch: every epoch's `micro_batches` (its dataloader's
+    length; a stream: max_steps x gradient_accumulation_steps) in optimizer steps of `accumulation`,
+    the epoch's last step shorter where they do not divide (transformers' `Trainer._run_epoch`, which
+    also resumes a run at `first_of(global_step)`). Micro-batches are counted over every epoch."""
+
+    micro_batches: int
+    accumulation: int
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps per epoch."""
+        return -(-self.micro_batches // self.accumulation)
+
+    def step_of(self, index: int) -> int:
+        """The optimizer steps done when micro-batch `index` is trained (the step it is trained in)."""
+        epoch, within = divmod(index, self.micro_batches)
+        return epoch * self.steps + within // self.accumulation
+
+    def first_of(self, step: int) -> int:
+        """The first micro-batch of optimizer step `step` (counted from 0)."""
+        epoch, within = divmod(step, self.steps)
+        return epoch * self.micro_batches + within * self.accumulation
 
 
 @dataclass(frozen=True)
@@ -90,10 +117,12 @@ class AsyncRounds(TrainerCallback):
         self._sync_weights, self._new_client = sync_weights, new_client
         self.version = 0  # policy versions sent to the server so far (0: the initial weights)
         self._read: deque = deque()  # micro-batches read ahead, not handed to the Trainer yet
-        self._next_read = 0  # micro-step index of the next micro-batch to read
+        self._next_read = 0  # index of the next micro-batch to read (counted over every epoch)
         self._next_take = 0  # index of the next round the trainer takes
         self._drained_s = 0.0  # seconds waited for the thread's rounds at syncs since the last take
         self._state = None  # the Trainer's state (global_step, max_steps), from on_train_begin
+        self._layout: EpochLayout | None = None  # from on_train_begin
+        self._resumed_at: int | None = None  # micro-batches a checkpoint being resumed had trained
 
     # ---- Rows: the dataloader read ahead (training thread) --------------------------------------
 
@@ -122,7 +151,7 @@ class AsyncRounds(TrainerCallback):
         a round's first one only when the round is trained before the second sync from now and
         fewer than queue_rounds rounds wait."""
         settings, steps = self.settings, self._state.global_step
-        taken_at = index // settings.gradient_accumulation_steps  # optimizer steps done when it is trained
+        taken_at = self._layout.step_of(index)  # optimizer steps done when it is trained
         if taken_at >= self._state.max_steps:
             return False
         if index % settings.round_length:
@@ -180,12 +209,23 @@ class AsyncRounds(TrainerCallback):
         self.queue.give(stale.index, stale.rows, self.version, first=True)
         return self.queue.take(stale.index)
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         """Send the policy (the initial weights, or a checkpoint's) as the current version, then start
-        the thread; reading ahead starts at the Trainer's micro-step."""
-        self._state, length = state, self.settings.round_length
-        self._next_read = state.global_step * args.gradient_accumulation_steps
-        self._next_take = -(-self._next_read // length)  # a round started before a checkpoint is in it
+        the thread; reading ahead starts at the Trainer's micro-batch (a resumed run's: the one after
+        those its checkpoint trained)."""
+        accumulation = self.settings.gradient_accumulation_steps
+        batches = len(train_dataloader) if has_length(train_dataloader) else state.max_steps * accumulation
+        self._state, self._layout = state, EpochLayout(batches, accumulation)
+        self._next_read = self._layout.first_of(state.global_step)
+        resumed_at, self._resumed_at = self._resumed_at, None
+        if resumed_at not in (None, self._next_read):
+            raise ValueError(
+                f"The checkpoint resumed had trained {resumed_at} micro-batches of async GRPO rounds, but the Trainer "
+                f"resumes after {self._next_read} of this run's dataloader: resume with the train_dataset, batch "
+                "sizes, gradient_accumulation_steps, steps_per_generation and number of processes it was saved with."
+            )
+        # A round begun before the checkpoint is in it (its rest of micro-batches): the next one is taken.
+        self._next_take = -(-self._next_read // self.settings.round_length)
         self._sync_weights(self.version)
         self.queue.start(self._new_client())
 
@@ -217,7 +257,8 @@ class AsyncRounds(TrainerCallback):
         checkpoint is marked complete (resume_from_checkpoint=True then takes the previous one)."""
         self.queue.drain()
         path = os.path.join(folder, ASYNC_FILE.format(self.queue.accelerator.process_index))
-        torch.save({"version": self.version, "rounds": self.queue.state()}, path + ".tmp")
+        trained = self._next_read - len(self._read)  # micro-batches handed to the Trainer: all trained
+        torch.save({"version": self.version, "rounds": self.queue.state(), "trained": trained}, path + ".tmp")
         error = None
         try:
             torch.load(path + ".tmp", weights_only=True)
@@ -232,13 +273,14 @@ class AsyncRounds(TrainerCallback):
         os.replace(path + ".tmp", path)
 
     def load(self, folder: str) -> None:
-        """Restore what `save` wrote; a checkpoint of synchronous training has none: version 0."""
+        """Restore what `save` wrote (the micro-batches trained are checked against the Trainer's
+        position at `on_train_begin`); a checkpoint of synchronous training has none: version 0."""
         accelerator = self.queue.accelerator
         path = os.path.join(folder, ASYNC_FILE.format(accelerator.process_index))
         state = {"version": 0, "rounds": []}
         if os.path.isfile(path):
             state = torch.load(path, map_location=accelerator.device, weights_only=True)
-        self.version = state["version"]
+        self.version, self._resumed_at = state["version"], state.get("trained")
         self.queue.load_state(state["rounds"])
 
 
