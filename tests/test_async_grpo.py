@@ -314,17 +314,19 @@ def test_rounds_are_sampled_one_sync_ahead_in_the_samplers_order(
     """Every 1 step: round 1 is sampled from the initial weights (version 0) while the trainer trains
     on round 0, round r >= 2 from version r - 1; staleness 0 for round 0, then 1. Every 2 steps:
     rounds 0-3 are all in sync intervals 0 and 1, so all come from version 0, and rounds 2-3 are 1
-    version old when trained. The prompts are those of synchronous training, round by round."""
+    version old when trained. The weights go to the server once per version a round is sampled from
+    (the versions of the last syncs precede no round). The prompts are those of synchronous
+    training, round by round."""
     trainer = trainer_for(tmp_path / "async", server.url, weight_sync_steps=sync_steps)
     trainer.train()
     async_rounds = rounds_requested(server, versions)
     paths = [path for path, _ in server.requests if path in ("/collective_rpc", "/v1/completions")]
-    syncs = 4 // sync_steps
-    assert paths.count("/collective_rpc") == 1 + syncs  # the initial weights, then one per sync
-    before_first_sync = paths[: paths.index("/collective_rpc", 1)].count("/v1/completions")
-    assert before_first_sync == 2 * ahead  # rounds sampled before the first optimizer step's sync
+    sent = [i for i, path in enumerate(paths) if path == "/collective_rpc"]
+    assert len(sent) == len(set(versions))  # the initial weights, then each version a round is sampled from
+    before_first_sync = paths[: (sent[1:] or [len(paths)])[0]].count("/v1/completions")
+    assert before_first_sync == 2 * ahead  # rounds sampled before the first weights sent after a step
     assert logged(trainer, "sample/staleness_mean") == logged(trainer, "sample/staleness_max") == staleness
-    assert len(logged(trainer, "perf/weight_sync_s")) == syncs
+    assert len(logged(trainer, "perf/weight_sync_s")) == len(sent) - 1
     assert (
         len(logged(trainer, "perf/rollout_wait_s")) == 4 and min(logged(trainer, "perf/rollout_wait_s")) >= 0
     )
@@ -345,6 +347,39 @@ def test_rounds_are_sampled_one_sync_ahead_in_the_samplers_order(
     finally:
         synchronous.close()
     assert async_rounds == [sorted(p) for p in sync_rounds]  # the sampler's order, each prompt once
+
+
+class Parameters(TrainerCallback):
+    """The policy's parameters at the end of each optimizer step, by global_step."""
+
+    def __init__(self):
+        self.after: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.after[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_weights_go_to_the_server_only_for_versions_rounds_are_sampled_from(tmp_path, server):
+    """A round spans 4 optimizer steps (steps_per_generation=4, gradient_accumulation_steps=1) and the
+    weights sync every step: of 12 syncs, only those of steps 3 and 7 precede a round (rounds 1 and 2,
+    read one sync before they are trained). The server gets the initial weights and those two
+    versions, each the parameters after its step, not a whole model every step."""
+    parameters = Parameters()
+    trainer = trainer_for(
+        tmp_path, server.url, callbacks=[parameters], max_steps=12, per_device_train_batch_size=2,
+        steps_per_generation=4, gradient_accumulation_steps=1,
+    )  # fmt: skip
+    trainer.train()
+    assert all(rounds_requested(server, [0, 3, 7]))  # rounds 0-2 from versions 0, 3 and 7
+    initial, third, seventh = server.loaded
+    assert all(torch.equal(third[name], value) for name, value in parameters.after[3].items())
+    assert all(torch.equal(seventh[name], value) for name, value in parameters.after[7].items())
+    assert not torch.equal(initial["lm_head.weight"], third["lm_head.weight"])
+    assert len(logged(trainer, "perf/weight_sync_s")) == 2 and logged(trainer, "sample/staleness_max") == [
+        0,
+        1,
+        1,
+    ]
 
 
 def test_evaluation_samples_from_the_synced_weights(tmp_path, server):
@@ -696,12 +731,12 @@ def test_sigterm_stops_cleanly_with_a_complete_checkpoint(tmp_path, server):
 
 def test_two_processes_sample_their_own_shares_ahead(tmp_path, server):
     """DDP over gloo: each process's thread sends its own share of each round (its seeds keyed by
-    the process) from the same versions as on one process; the weights go once per sync; both
-    processes train 4 steps and log the same staleness."""
+    the process) from the same versions as on one process; the weights go once per version a round
+    is sampled from; both processes train 4 steps and log the same staleness."""
     launch_two_processes(ROOT / "tests" / "server_worker.py", [server.url, str(tmp_path), "async"], tmp_path)
     per_round = rounds_requested(server, [0, 0, 1, 2], processes=2)
     assert [len(prompts) for prompts in per_round] == [4, 4, 4, 4]  # 2 prompts per process per round
-    assert sum(path == "/collective_rpc" for path, _ in server.requests) == 5
+    assert sum(path == "/collective_rpc" for path, _ in server.requests) == 3  # versions 0, 1, 2
     for index in (0, 1):
         log = json.loads((tmp_path / f"log-{index}.json").read_text())
         assert [e["sample/staleness_mean"] for e in log if "sample/staleness_mean" in e] == [0, 1, 1, 1]

@@ -16,9 +16,12 @@ A round flows as in synchronous training, each process with its own share of the
   rounds) stays on the training thread;
 - the training thread takes each round when it starts it (`take`) and prepares it as always
   (advantages over every process, micro-batches, old log-probs). Every weight_sync_steps optimizer
-  steps (`on_step_end`) it waits for the rounds the thread was given, then sends the weights
-  (`ServerGenerator.load_policy`): the next policy version. perf/rollout_wait_s is both waits
-  (the one at a sync counted with the next take).
+  steps (`on_step_end`) it waits for the rounds the thread was given; the weights then are the next
+  policy version, sent to the server (`ServerGenerator.load_policy`) when a round will be read
+  before the next sync, or later when something samples from them (evaluation, extra rounds), and
+  not at all otherwise: with rounds spanning several steps (steps_per_generation >
+  gradient_accumulation_steps) no request would use most versions. perf/rollout_wait_s is both
+  waits (the one at a sync counted with the next take); perf/weight_sync_s times each sending.
 
 Every round comes from one policy version, fixed when its rows are read, and is trained within
 the next sync interval: its staleness (the trainer's version when it takes the round minus the
@@ -107,15 +110,16 @@ class AsyncRounds(TrainerCallback):
         self,
         settings: AsyncSettings,
         queue: RoundQueue,
-        sync_weights: Callable[[int], None],
+        sync_weights: Callable[[int], bool],
         new_client: Callable[[], VLLMClient],
         record: Callable[[dict[str, float]], None],
     ):
-        """`sync_weights(version)` sends the policy's weights to the server as `version` (collective);
-        `new_client()` a client for the thread's requests; `record` takes metric values."""
+        """`sync_weights(version)` sends the policy's weights to the server as `version` (collective)
+        unless it holds that version already, and says whether it sent them; `new_client()` a client
+        for the thread's requests; `record` takes metric values."""
         self.settings, self.queue, self.record = settings, queue, record
         self._sync_weights, self._new_client = sync_weights, new_client
-        self.version = 0  # policy versions sent to the server so far (0: the initial weights)
+        self.version = 0  # the current policy version: sync steps passed (0: the initial weights)
         self._read: deque = deque()  # micro-batches read ahead, not handed to the Trainer yet
         self._next_read = 0  # index of the next micro-batch to read (counted over every epoch)
         self._next_take = 0  # index of the next round the trainer takes
@@ -148,24 +152,28 @@ class AsyncRounds(TrainerCallback):
 
     def _may_read(self, index: int) -> bool:
         """Whether micro-batch `index` may be read before the Trainer needs it: within max_steps, and
-        a round's first one only when the round is trained before the second sync from now and
-        fewer than queue_rounds rounds wait."""
-        settings, steps = self.settings, self._state.global_step
-        taken_at = self._layout.step_of(index)  # optimizer steps done when it is trained
-        if taken_at >= self._state.max_steps:
-            return False
-        if index % settings.round_length:
-            return True  # the rest of a round already read
-        syncs = taken_at // settings.weight_sync_steps - steps // settings.weight_sync_steps
-        return syncs <= 1 and len(self.queue.rounds) < settings.queue_rounds
+        a round's first one only when the round is in reach (`_in_reach`) and fewer than queue_rounds
+        rounds wait."""
+        if index % self.settings.round_length:
+            return self._layout.step_of(index) < self._state.max_steps  # the rest of a round already read
+        return self._in_reach(index) and len(self.queue.rounds) < self.settings.queue_rounds
+
+    def _in_reach(self, start: int) -> bool:
+        """Whether the round whose first micro-batch is `start` is trained within max_steps and before
+        the second sync from now (so its rows are read before the next sync)."""
+        taken_at, steps = self._layout.step_of(start), self._state.global_step  # optimizer steps done
+        sync_steps = self.settings.weight_sync_steps
+        return taken_at < self._state.max_steps and taken_at // sync_steps - steps // sync_steps <= 1
 
     def _give(self, index: int, rows: list[dict]) -> None:
-        """Round `index` to the thread, from the weights the server holds now; a round restored from a
-        checkpoint only gets its rows back."""
+        """Round `index` to the thread, from the current version (sent first if the server lacks it: the
+        thread is idle then, see `on_step_end`); a round restored from a checkpoint only gets its rows
+        back."""
         restored = self.queue.rounds.get(index)
         if restored is not None:
             restored.rows = rows
         else:
+            self._send()
             self.queue.give(index, rows, self.version)
 
     # ---- Rounds in, weights out (training thread) ----------------------------------------------
@@ -206,6 +214,7 @@ class AsyncRounds(TrainerCallback):
             "dropped, and its prompts sampled again.",
             stale.index, stale.version, staleness, self.settings.max_staleness,
         )  # fmt: skip
+        self._send()
         self.queue.give(stale.index, stale.rows, self.version, first=True)
         return self.queue.take(stale.index)
 
@@ -230,17 +239,27 @@ class AsyncRounds(TrainerCallback):
         self.queue.start(self._new_client())
 
     def on_step_end(self, args, state, control, **kwargs):
-        """Every weight_sync_steps steps: the next version to the server. Before it, and before a
-        checkpoint or an evaluation, the thread finishes the rounds it was given."""
+        """Every weight_sync_steps steps: the next policy version, sent to the server when a round will
+        be read before the next sync (one version in steps_per_generation / gradient_accumulation_steps
+        is, when a round spans several steps; the rest would be whole-model copies no request uses).
+        Before it, and before a checkpoint or an evaluation, the thread finishes the rounds it was
+        given, so while a version is not sent the thread is idle: whatever samples from it next (a
+        round given, a stale one again, evaluation or extra rounds through the generator) sends it."""
         syncing = state.global_step % self.settings.weight_sync_steps == 0
         if syncing or control.should_save or control.should_evaluate:
             start = time.perf_counter()
             self.queue.drain()
             self._drained_s += time.perf_counter() - start
         if syncing:
-            start = time.perf_counter()
-            self._sync_weights(self.version + 1)
             self.version += 1
+            next_round = -(-self._next_read // self.settings.round_length) * self.settings.round_length
+            if self._in_reach(next_round):
+                self._send()
+
+    def _send(self) -> None:
+        """The current version to the server, unless it holds it (perf/weight_sync_s times a sending)."""
+        start = time.perf_counter()
+        if self._sync_weights(self.version):
             self.record({"perf/weight_sync_s": time.perf_counter() - start})
 
     def stop(self) -> None:
@@ -322,9 +341,12 @@ def async_rounds(trainer) -> AsyncRounds | None:
 
         return trainer._sample_and_score(rows, generate)
 
-    def sync_weights(version: int) -> None:
+    def sync_weights(version: int) -> bool:
+        if generator.version == version:  # sent already (evaluation samples through the generator)
+            return False
         generator.load_policy(version)
         generator.version, generator.calls = version, 0
+        return True
 
     settings = AsyncSettings(
         max_staleness=args.max_staleness,
