@@ -412,6 +412,35 @@ def test_async_reward_functions_are_awaited_on_the_generation_thread(tmp_path, s
     assert logged(trainer, "reward/judged") == logged(trainer, "reward/plain")  # the same lengths
 
 
+@pytest.mark.parametrize(
+    ("max_staleness", "steps"), [(0, [0, 1, 2, 3]), (1, [0, 0, 1, 2])], ids=["sync", "async"]
+)
+def test_reward_functions_see_the_trainer_state_of_their_rounds_policy_version(
+    tmp_path, server, max_staleness, steps
+):
+    """trainer_state.global_step is the optimizer steps in the weights that sampled the round: in sync
+    training the step training it; in async GRPO the version's sync step (rounds 0 and 1 from the
+    initial weights, round r >= 2 from version r - 1), even when the reward reads it after the
+    trainer has moved on (here: after step r - 1 ended), not the live step."""
+    ended = [threading.Event() for _ in range(4)]
+    seen = []
+
+    class Ended(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ended[state.global_step - 1].set()
+
+    def curriculum(completions, trainer_state, **kwargs):
+        if max_staleness and seen:  # round r >= 1 is scored on the thread while step r - 1 trains
+            ended[len(seen) - 1].wait(timeout=30)
+        seen.append(trainer_state.global_step)
+        return length_reward(completions)
+
+    trainer_for(
+        tmp_path, server.url, reward=curriculum, callbacks=[Ended()], max_staleness=max_staleness
+    ).train()
+    assert seen == steps
+
+
 def test_dynamic_sampling_tops_rounds_up_from_the_synced_weights(tmp_path, server):
     """DAPO dynamic sampling in async mode: a round taken from the queue with groups that do not
     teach is topped up by extra rounds, sampled on the training thread (every process in step) from

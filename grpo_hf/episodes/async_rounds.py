@@ -13,7 +13,11 @@ A round flows as in synchronous training, each process with its own share of the
   process alone, for plain completions, every turn of tool episodes and a rollout_func's calls;
   reward functions, async ones and reward models in this process, as in synchronous training).
   It issues no collective: every torch.distributed call (tool metrics, dynamic sampling's extra
-  rounds) stays on the training thread;
+  rounds) stays on the training thread. Its reward functions' `trainer_state` is a copy of the
+  Trainer's state taken when the round's policy version was made (at the start of training or the
+  sync step; its lists, log_history included, are shared): global_step counts the optimizer steps
+  in the weights that sampled the round, as in synchronous training, and stays put while they run
+  (the live state moves on with the training thread);
 - the training thread takes each round when it starts it (`take`) and prepares it as always
   (advantages over every process, micro-batches, old log-probs). Every weight_sync_steps optimizer
   steps (`on_step_end`) it waits for the rounds the thread was given; the weights then are the next
@@ -41,6 +45,7 @@ process at once; `stop` aborts the requests in flight and joins it): `episodes.r
 """
 
 import contextlib
+import copy
 import itertools
 import logging
 import os
@@ -51,7 +56,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerState
 from transformers.trainer_utils import has_length
 
 from grpo_hf.data.rollout import ScoredRound
@@ -126,6 +131,7 @@ class AsyncRounds(TrainerCallback):
         self._drained_s = 0.0  # seconds waited for the thread's rounds at syncs since the last take
         self._state = None  # the Trainer's state (global_step, max_steps), from on_train_begin
         self._layout: EpochLayout | None = None  # from on_train_begin
+        self._version_state: TrainerState | None = None  # the Trainer's state when this version was made
         self._resumed_at: int | None = None  # micro-batches a checkpoint being resumed had trained
 
     # ---- Rows: the dataloader read ahead (training thread) --------------------------------------
@@ -174,7 +180,7 @@ class AsyncRounds(TrainerCallback):
             restored.rows = rows
         else:
             self._send()
-            self.queue.give(index, rows, self.version)
+            self.queue.give(index, rows, self.version, self._version_state)
 
     # ---- Rounds in, weights out (training thread) ----------------------------------------------
 
@@ -215,7 +221,7 @@ class AsyncRounds(TrainerCallback):
             stale.index, stale.version, staleness, self.settings.max_staleness,
         )  # fmt: skip
         self._send()
-        self.queue.give(stale.index, stale.rows, self.version, first=True)
+        self.queue.give(stale.index, stale.rows, self.version, self._version_state, first=True)
         return self.queue.take(stale.index)
 
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
@@ -235,6 +241,7 @@ class AsyncRounds(TrainerCallback):
             )
         # A round begun before the checkpoint is in it (its rest of micro-batches): the next one is taken.
         self._next_take = -(-self._next_read // self.settings.round_length)
+        self._version_state = copy.copy(state)
         self._sync_weights(self.version)
         self.queue.start(self._new_client())
 
@@ -244,14 +251,15 @@ class AsyncRounds(TrainerCallback):
         is, when a round spans several steps; the rest would be whole-model copies no request uses).
         Before it, and before a checkpoint or an evaluation, the thread finishes the rounds it was
         given, so while a version is not sent the thread is idle: whatever samples from it next (a
-        round given, a stale one again, evaluation or extra rounds through the generator) sends it."""
+        round given, a stale one again, evaluation or extra rounds through the generator) sends it
+        (with weight_sync_steps > 1, the weights of that step; rounds read ahead get the sync step's)."""
         syncing = state.global_step % self.settings.weight_sync_steps == 0
         if syncing or control.should_save or control.should_evaluate:
             start = time.perf_counter()
             self.queue.drain()
             self._drained_s += time.perf_counter() - start
         if syncing:
-            self.version += 1
+            self.version, self._version_state = self.version + 1, copy.copy(state)
             next_round = -(-self._next_read // self.settings.round_length) * self.settings.round_length
             if self._in_reach(next_round):
                 self._send()
@@ -329,17 +337,17 @@ def async_rounds(trainer) -> AsyncRounds | None:
     generator, sampling = trainer.generator, trainer.sampling
     max_requests = 32 if args.max_inflight_tasks == -1 else args.max_inflight_tasks
 
-    def produce(index: int, rows: list[dict], version: int, client: VLLMClient) -> ScoredRound:
+    def produce(made: Round, client: VLLMClient) -> ScoredRound:
         calls = itertools.count()  # the round's calls (tool turns, a rollout_func's): each its own seeds
 
         def generate(prompt_ids, prompt_mask, max_new_tokens=None):
             used = sampling if max_new_tokens is None else sampling.with_max_new_tokens(max_new_tokens)
-            call = f"round {index}.{next(calls)}"
+            call = f"round {made.index}.{next(calls)}"
             return generator.generate_alone(
-                prompt_ids, prompt_mask, used, version, call, client, max_requests
+                prompt_ids, prompt_mask, used, made.version, call, client, max_requests
             )
 
-        return trainer._sample_and_score(rows, generate)
+        return trainer._sample_and_score(made.rows, generate, made.trainer_state)
 
     def sync_weights(version: int) -> bool:
         if generator.version == version:  # sent already (evaluation samples through the generator)

@@ -2,9 +2,9 @@
 from which policy version, and when the trainer takes them).
 
 `RoundQueue` holds this process's rounds given to the thread (or restored from a checkpoint) and
-not taken yet; the thread makes them in order: `produce(index, rows, version, client)` samples and
-scores one (HTTP through the thread's own client, reward functions; no torch.distributed call,
-which stays on the training thread). The training thread waits on it (`wait_for`, `drain`):
+not taken yet; the thread makes them in order: `produce(round, client)` samples and scores one
+(HTTP through the thread's own client, reward functions; no torch.distributed call, which stays on
+the training thread). The training thread waits on it (`wait_for`, `drain`):
 
 - an error on the thread (no server, a request timing out, a reward function raising, any
   `BaseException`: asyncio.CancelledError from an async reward function) is raised by the training
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from accelerate import Accelerator
 from accelerate.utils import gather_object
+from transformers import TrainerState
 
 from grpo_hf.data.rollout import ScoredRound
 from grpo_hf.engine.vllm.client import VLLMClient
@@ -34,18 +35,20 @@ logger = logging.getLogger(__name__)
 
 _ERRORS = {error.__name__: error for error in (ConnectionError, TimeoutError, ValueError, RuntimeError)}
 
-# produce(round index, rows, policy version, client) -> the round sampled and scored (generation thread)
-Produce = Callable[[int, list[dict], int, VLLMClient], ScoredRound]
+# produce(round, client) -> the round sampled and scored (on the generation thread)
+Produce = Callable[["Round", VLLMClient], ScoredRound]
 
 
 @dataclass
 class Round:
-    """One generation round of this process: its rows, the policy version it is sampled from, and
-    what the thread made of it."""
+    """One generation round of this process: its rows, the policy version it is sampled from (and the
+    trainer's state when that version was made, its reward functions' trainer_state), and what the
+    thread made of it."""
 
     index: int
     rows: list[dict] | None  # None for a round restored from a checkpoint until its rows are read again
     version: int
+    trainer_state: TrainerState | None = None  # None for a round restored from a checkpoint (made already)
     scored: ScoredRound | None = None
 
     @property
@@ -71,9 +74,11 @@ class RoundQueue:
         """The thread is alive: the server answered one of its requests (`VLLMClient.on_answer`)."""
         self._progress = time.monotonic()
 
-    def give(self, index: int, rows: list[dict], version: int, first: bool = False) -> Round:
+    def give(
+        self, index: int, rows: list[dict], version: int, trainer_state: TrainerState, first: bool = False
+    ) -> Round:
         """Round `index` (replacing any of that index) to the thread, next in line with `first`."""
-        made = Round(index, rows, version)
+        made = Round(index, rows, version, trainer_state)
         with self.changed:
             self.rounds[index] = made
             self._todo.appendleft(index) if first else self._todo.append(index)
@@ -148,7 +153,7 @@ class RoundQueue:
                     return
                 making = self.rounds[self._todo.popleft()]
             try:
-                scored = self._produce(making.index, making.rows, making.version, self._client)
+                scored = self._produce(making, self._client)
             except BaseException as error:  # raised again by the training thread's next wait, whatever it is
                 # (asyncio.CancelledError from an async reward function too): a thread that ends without
                 # saying why would leave the trainer waiting for heartbeat_stale_after_s
@@ -188,6 +193,6 @@ class RoundQueue:
     def load_state(self, state: list[dict]) -> None:
         """Restore what `state` gave; each round gets its rows back when they are read again."""
         self.rounds = {
-            r["index"]: Round(r["index"], None, r["version"], ScoredRound.from_state(r["scored"]))
+            r["index"]: Round(r["index"], None, r["version"], scored=ScoredRound.from_state(r["scored"]))
             for r in state
         }
