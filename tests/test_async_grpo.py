@@ -769,3 +769,38 @@ def test_two_processes_sample_their_own_shares_ahead(tmp_path, server):
     for index in (0, 1):
         log = json.loads((tmp_path / f"log-{index}.json").read_text())
         assert [e["sample/staleness_mean"] for e in log if "sample/staleness_mean" in e] == [0, 1, 1, 1]
+
+
+def test_a_process_done_early_waits_for_a_peers_longer_episodes_in_short_collectives(tmp_path):
+    """Async GRPO on 2 processes (gloo, ddp_timeout=6 s on the group from the start of training), each
+    with one prompt's tool episodes: one calls `add` 4 times before answering, the other answers at
+    once, and each request takes 2 s, so one process's round is ready ~8 s before the other's. It
+    waits for its peer in collectives of about a second (AGREE_EVERY_S), not in one that outlasts
+    ddp_timeout: both train their step."""
+
+    def four_calls_for_one_plus_one(prompt, j, body):
+        text = TOKENIZER.decode(prompt)
+        if "1 + 1" in text and text.count("<|im_start|>tool") < 4:
+            return tool_then_answer([], j, body)  # a call of `add`
+        return TOKENIZER("done", add_special_tokens=False)["input_ids"] + [EOS]
+
+    fake = FakeVLLMServer(EOS, four_calls_for_one_plus_one)
+    fake.delay = 2.0
+    try:
+        launch_two_processes(
+            ROOT / "tests" / "server_worker.py", [fake.url, str(tmp_path), "async-turns"], tmp_path
+        )
+    finally:
+        fake.close()
+    results = sorted(
+        TOKENIZER.decode(body["prompt"]).count("<|im_start|>tool") for body in fake.completions()
+    )
+    assert results == [
+        0,
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]  # tool results in context: 5 turns of one episode group, 1 of the other
+    assert (tmp_path / "trained-0").read_text() == (tmp_path / "trained-1").read_text() == "1"

@@ -4,7 +4,7 @@ from which policy version, and when the trainer takes them).
 `RoundQueue` holds this process's rounds given to the thread (or restored from a checkpoint) and
 not taken yet; the thread makes them in order: `produce(round, client)` samples and scores one
 (HTTP through the thread's own client, reward functions; no torch.distributed call, which stays on
-the training thread). The training thread waits on it (`wait_for`, `drain`):
+the training thread). The training thread waits on it (`take`, `drain`):
 
 - an error on the thread (no server, a request timing out, a reward function raising, any
   `BaseException`: asyncio.CancelledError from an async reward function) is raised by the training
@@ -12,18 +12,23 @@ the training thread). The training thread waits on it (`wait_for`, `drain`):
   training raises it;
 - a thread from which nothing comes back (no answer from the server: `tick`, no round made) for
   `heartbeat_s` seconds while the trainer waits is an error;
-- every wait ends with every process learning whether any failed (`agree`: a small gather on the
-  training thread), so none goes on into a collective that a failed peer will never join;
+- with several processes a wait goes in slices of `AGREE_EVERY_S`, each ending in a small
+  all-reduce on the training thread (how many are ready, how many failed): no collective waits
+  for a peer's whole round (its thread's multi-turn episodes may take far longer than this
+  process's), so none outlasts `ddp_timeout` (gloo's timeout, NCCL's watchdog), and none goes on
+  into a collective that a failed peer will never join (every process raises: `agree`);
 - `stop` aborts the requests in flight (`VLLMClient.abort`) and joins the thread.
 """
 
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from transformers import TrainerState
@@ -34,6 +39,7 @@ from grpo_hf.engine.vllm.client import VLLMClient
 logger = logging.getLogger(__name__)
 
 _ERRORS = {error.__name__: error for error in (ConnectionError, TimeoutError, ValueError, RuntimeError)}
+AGREE_EVERY_S = 1.0  # with several processes, seconds a wait goes before they compare notes
 
 # produce(round, client) -> the round sampled and scored (on the generation thread)
 Produce = Callable[["Round", VLLMClient], ScoredRound]
@@ -103,24 +109,48 @@ class RoundQueue:
         self.wait_until(lambda: all(r.done for r in self.rounds.values()), "the rounds given to it")
 
     def wait_until(self, ready: Callable[[], bool], what: str) -> None:
-        """Wait (on the lock) until `ready()`, the thread fails, or heartbeat_s pass with nothing back from
-        it; then every process learns whether any failed (`agree`)."""
-        error = None
+        """Wait until `ready()` on every process, or raise on every process once one's thread fails or
+        sends nothing back for heartbeat_s (see the module docstring: in slices with several processes)."""
+        since = time.monotonic()
+        slice_s = AGREE_EVERY_S if self.accelerator.num_processes > 1 else math.inf
+        while True:
+            error, done = self._wait_here(ready, what, since, slice_s)
+            failed, waiting = self._count([error is not None, not done])
+            if failed:
+                self.agree(error)  # raises on every process
+            if not waiting:
+                return
+
+    def _wait_here(
+        self, ready: Callable[[], bool], what: str, since: float, slice_s: float
+    ) -> tuple[BaseException | None, bool]:
+        """(this process's error or None, whether `ready()`) after waiting on the lock for `ready()`, the
+        thread failing, nothing back from it for heartbeat_s since `since`, or `slice_s` seconds."""
         with self.changed:
-            since = time.monotonic()
+            end = time.monotonic() + slice_s
             while not ready() and self._error is None:
-                quiet = time.monotonic() - max(since, self._progress)
+                now = time.monotonic()
+                quiet = now - max(since, self._progress)
                 if quiet > self.heartbeat_s:
-                    error = TimeoutError(
+                    return TimeoutError(
                         f"Nothing came back from the async GRPO generation thread (no answer from the vLLM server, "
                         f"no round made) in {quiet:.0f} s while the trainer waited for {what} "
                         f"(heartbeat_stale_after_s={self.heartbeat_s:g}): is the server stuck, or a reward "
                         "function? Raise heartbeat_stale_after_s if a request or a reward takes this long."
-                    )
-                    break
-                self.changed.wait(timeout=min(1.0, self.heartbeat_s))
-            error = error or self._error
-        self.agree(error)
+                    ), False
+                if now >= end:
+                    return None, False
+                self.changed.wait(timeout=min(1.0, self.heartbeat_s, end - now))
+            return self._error, self._error is None
+
+    def _count(self, flags: list[bool]) -> list[int]:
+        """How many processes hold each of `flags` (every process calls it: an all-reduce of a few numbers)."""
+        if self.accelerator.num_processes == 1:
+            return [int(flag) for flag in flags]
+        counts = torch.tensor(
+            [float(flag) for flag in flags], device=self.accelerator.device
+        )  # (len(flags),)
+        return [int(count) for count in self.accelerator.reduce(counts, "sum").tolist()]
 
     def agree(self, error: BaseException | None) -> None:
         """Raise `error` (this process's) or a peer's: every process raises if any failed (every process
