@@ -147,9 +147,7 @@ class RoundQueue:
         """How many processes hold each of `flags` (every process calls it: an all-reduce of a few numbers)."""
         if self.accelerator.num_processes == 1:
             return [int(flag) for flag in flags]
-        counts = torch.tensor(
-            [float(flag) for flag in flags], device=self.accelerator.device
-        )  # (len(flags),)
+        counts = torch.tensor([float(flag) for flag in flags], device=self.accelerator.device)
         return [int(count) for count in self.accelerator.reduce(counts, "sum").tolist()]
 
     def agree(self, error: BaseException | None) -> None:
