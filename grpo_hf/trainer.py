@@ -33,6 +33,7 @@ from peft import PeftConfig
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Sampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, set_seed
+from transformers.trainer_callback import TrainerState
 from transformers.trainer_utils import rotate_checkpoints
 
 from grpo_hf.algorithm import masks
@@ -326,14 +327,18 @@ class GRPOTrainer(Trainer):
             for part, normalizer in zip(parts, normalizers, strict=True)
         ]
 
-    def _sample_and_score(self, rows: list[dict], generate: Callable | None = None) -> ScoredRound:
-        """Generate one completion per row (rows repeat each prompt G times; `generate` replaces
-        `generate_completions`: async GRPO's generation thread) and score them. With environments,
-        one call at a time (the thread's rounds and evaluation draw from one pool of instances)."""
+    def _sample_and_score(
+        self, rows: list[dict], generate: Callable | None = None, state: TrainerState | None = None
+    ) -> ScoredRound:
+        """Generate one completion per row (rows repeat each prompt G times) and score them (async GRPO's
+        thread passes its `generate` for `generate_completions`, and the reward functions' trainer_state).
+        With environments, one call at a time (the thread's rounds and evaluation share one pool)."""
         with self._environments_lock if self.environment_pool is not None else nullcontext():
-            return self._sample_and_score_rows(rows, generate)
+            return self._sample_and_score_rows(rows, generate, state or self.state)
 
-    def _sample_and_score_rows(self, rows: list[dict], generate: Callable | None) -> ScoredRound:
+    def _sample_and_score_rows(
+        self, rows: list[dict], generate: Callable | None, state: TrainerState
+    ) -> ScoredRound:
         args, device = self.args, self.accelerator.device
         prompts = [row.get("prompt", EMPTY_PROMPT) for row in rows]
         columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
@@ -368,7 +373,7 @@ class GRPOTrainer(Trainer):
         logs = RewardLogs(len(completions))  # what the reward functions log (log_extra / log_metric)
         scores, errors, retried = score_completions(
             self.reward_funcs, prompts, completions, completion_ids, columns, args.reward_error_policy, device,
-            trainer_state=self.state, logs=logs,
+            trainer_state=state, logs=logs,
         )  # fmt: skip
         extras = (logs.extra_rows, logs.metrics, counts)
         return ScoredRound(result, prompts, completions, scores, errors, retried, seconds, *extras)

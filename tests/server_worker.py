@@ -1,6 +1,6 @@
 """One process of a 2-process run against a vLLM(-like) server; launched by `accelerate launch`.
 
-    python tests/server_worker.py <server url> <output folder> tools|full|async|uneven
+    python tests/server_worker.py <server url> <output folder> tools|full|async|uneven|async-turns
 
 tools: each process runs a tool episode on its own rows (process 0's rows call the tool, so it
 takes two turns while process 1's take one) and writes its episodes' messages to
@@ -8,17 +8,24 @@ takes two turns while process 1's take one) and writes its episodes' messages to
 FSDP2 or ZeRO-3 the weights sent to the server are gathered from the shards). async: async GRPO
 (max_staleness=1) for four steps; each process writes its log history to <output>/log-<i>.json.
 uneven: one step whose rollout_func samples twice on process 0 (first at most 2 tokens) and once on
-process 1, and writes each call's completion lengths to <output>/calls-<i>.json. Used by
-tests/test_vllm_server.py and tests/test_async_grpo.py against a fake server.
+process 1, and writes each call's completion lengths to <output>/calls-<i>.json. async-turns: one
+step of async GRPO with tool episodes, each process one prompt's 4 rows (the server decides how
+many turns each takes), ddp_timeout=6 s on the gloo group from the start of training (as NCCL
+takes it on GPUs; transformers gives gloo its 30-minute default); each process writes
+<output>/trained-<i>. Used by tests/test_vllm_server.py and tests/test_async_grpo.py against a fake
+server.
 """
 
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 from dist_worker import exit_worker, force_fsdp_on_cpu
 from tiny_models import tiny_llama, tiny_tokenizer
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from trainer_helpers import chat_dataset, length_reward, make_config
+from transformers import TrainerCallback
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.data import rollout
@@ -59,25 +66,40 @@ def uneven_rollout(output: Path):
     return rollout_func
 
 
-def main(url: str, output: Path, mode: str) -> None:
-    force_fsdp_on_cpu()
+class GlooTimeout(TrainerCallback):
+    """From the start of training, the gloo group's collectives fail after ddp_timeout."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        _set_pg_timeout(timedelta(seconds=args.ddp_timeout))
+
+
+def settings_for(url: str, mode: str) -> dict:
     settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, max_completion_length=128)
+    settings |= dict(per_device_train_batch_size=4, num_generations=2, max_steps=2 if mode == "full" else 1)
     if mode == "async":
         settings |= dict(max_staleness=1, max_steps=4)
+    if mode == "async-turns":
+        settings |= dict(max_staleness=1, num_generations=4, max_completion_length=1024, ddp_timeout=6)
+        settings |= dict(vllm_server_timeout=5.0, vllm_server_request_timeout=5.0)  # below ddp_timeout
+    return settings
+
+
+def main(url: str, output: Path, mode: str) -> None:
+    force_fsdp_on_cpu()
     trainer = GRPOTrainer(
         model=tiny_llama(),
         reward_funcs=length_reward,
-        args=make_config(
-            output,
-            per_device_train_batch_size=4,
-            num_generations=2,
-            **({"max_steps": 2 if mode == "full" else 1} | settings),
-        ),
-        train_dataset=chat_dataset(16 if mode == "async" else 4),
+        args=make_config(output, **settings_for(url, mode)),
+        train_dataset=chat_dataset({"async": 16, "async-turns": 2}.get(mode, 4)),
         processing_class=tiny_tokenizer(),
-        tools=[add] if mode == "tools" else None,
+        tools=[add] if mode in ("tools", "async-turns") else None,
         rollout_func=uneven_rollout(output) if mode == "uneven" else None,
+        callbacks=[GlooTimeout()] if mode == "async-turns" else None,
     )
+    if mode == "async-turns":
+        trainer.train()
+        (output / f"trained-{trainer.accelerator.process_index}").write_text(str(trainer.state.global_step))
+        return
     if mode in ("full", "async", "uneven"):
         trainer.train()
         if mode == "async":

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from fake_vllm_server import FakeVLLMServer
@@ -19,10 +20,12 @@ from trainer_helpers import chat_dataset, exact_resume, length_reward, make_conf
 from transformers import TrainerCallback
 from two_processes import launch_two_processes
 
+import grpo_hf.trainer
 from grpo_hf import AsyncGRPOConfig, AsyncGRPOTrainer, GRPOTrainer
 from grpo_hf.data import rollout
 from grpo_hf.engine.vllm.requests import request_seed
 from grpo_hf.episodes.async_rounds import ASYNC_FILE
+from grpo_hf.rewards import reward_outputs
 from grpo_hf.training.checkpoints import STATE_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,10 +57,13 @@ def trainer_for(tmp_path, url: str, callbacks=None, reward=length_reward, eval_d
 
 def rounds_requested(server: FakeVLLMServer, versions: list[int], processes: int = 1) -> list[list]:
     """The prompts the server was asked for, round by round, found by their request seeds: round r
-    sampled from policy version versions[r] (`request_seed(seed 0, version, r, k x processes + p)`,
-    k a prompt's place in process p's share). A request whose seed fits no (round, version) fails."""
+    sampled from policy version versions[r] in one call (`request_seed(seed 0, version, 'round r.0',
+    k x processes + p)`, k a prompt's place in process p's share). A request whose seed fits no
+    (round, version) fails."""
     keys = range(2 * processes)
-    seeds = {request_seed(0, version, r, key): r for r, version in enumerate(versions) for key in keys}
+    seeds = {
+        request_seed(0, version, f"round {r}.0", key): r for r, version in enumerate(versions) for key in keys
+    }
     prompts = [[] for _ in versions]
     for body in server.completions():
         assert body["seed"] in seeds, f"a request from no expected (round, version): {body['seed']}"
@@ -112,23 +118,35 @@ def test_async_grpo_trainer_takes_trls_arguments_in_trls_order(tmp_path, server)
         AsyncGRPOTrainer(tiny_llama(), length_reward, synchronous, chat_dataset(), TOKENIZER)
 
 
+def tokenized(trainer, prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    tokenizer = trainer.processing_class
+    texts = [rollout.render_prompt(tokenizer, prompt) for prompt in prompts]
+    return rollout.tokenize_prompts(tokenizer, texts, None, trainer.accelerator.device)
+
+
+def rollout_output(ids, mask, result: rollout.Rollout) -> dict:
+    """A rollout_func's output: the prompts and `result`'s completions and sampler log-probs."""
+    completion = result.completion_mask.bool()
+    return {
+        "prompt_ids": [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)],
+        "completion_ids": [row[m].tolist() for row, m in zip(result.completion_ids, completion, strict=True)],
+        "logprobs": [row[m].tolist() for row, m in zip(result.sampler_logps, completion, strict=True)],
+    }
+
+
 def test_a_rollout_func_samples_on_the_generation_thread(tmp_path, server):
     """A rollout_func's generate_completions calls, on the generation thread, sample this process's
     rows alone from the round's policy version, as many calls as it likes (here two, the first cut
-    to 2 tokens)."""
+    to 2 tokens), each with its own request seeds: the second call's samples are not the first's
+    again (the fake server's first token follows the seed)."""
     calls = []
 
     def rollout_func(prompts, trainer):
-        tokenizer = trainer.processing_class
-        texts = [rollout.render_prompt(tokenizer, prompt) for prompt in prompts]
-        ids, mask = rollout.tokenize_prompts(tokenizer, texts, None, trainer.accelerator.device)
+        ids, mask = tokenized(trainer, prompts)
         first, second = (trainer.generate_completions(ids, mask, limit) for limit in (2, None))
-        calls.append((threading.current_thread().name, first.completion_mask.sum(dim=1).max().item()))
-        return {
-            "prompt_ids": [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)],
-            "completion_ids": [row[m.bool()].tolist() for row, m in zip(second.completion_ids, second.completion_mask, strict=True)],
-            "logprobs": [row[m.bool()].tolist() for row, m in zip(second.sampler_logps, second.completion_mask, strict=True)],
-        }  # fmt: skip
+        again = torch.equal(first.completion_ids[:, 0], second.completion_ids[:, 0])
+        calls.append((threading.current_thread().name, first.completion_mask.sum(dim=1).max().item(), again))
+        return rollout_output(ids, mask, second)
 
     args = make_config(tmp_path, **SERVER, vllm_server_base_url=server.url, max_staleness=1, max_steps=3)
     trainer = GRPOTrainer(
@@ -140,10 +158,10 @@ def test_a_rollout_func_samples_on_the_generation_thread(tmp_path, server):
         rollout_func=rollout_func,
     )
     trainer.train()
-    assert (
-        calls == [("grpo-async-rounds", 2)] * 3
-    )  # three rounds, each sampled ahead, the first call cut to 2
-    assert len(server.completions()) == 3 * 2 * 2  # 3 rounds x 2 calls x 2 distinct prompts
+    # Three rounds, each sampled ahead, the first call cut to 2, the second with samples of its own.
+    assert calls == [("grpo-async-rounds", 2, False)] * 3
+    seeds = [body["seed"] for body in server.completions()]
+    assert len(seeds) == len(set(seeds)) == 3 * 2 * 2  # 3 rounds x 2 calls x 2 distinct prompts
     assert logged(trainer, "sample/staleness_max") == [0, 1, 1]
     assert no_generation_thread()
 
@@ -226,6 +244,50 @@ def test_tool_episodes_run_on_the_generation_thread(tmp_path, source):
     assert no_generation_thread()
 
 
+def some_teach(completion_ids, answer, **kwargs):
+    """Prompts 1, 3, ... teach (their samples' lengths differ); the others score 1 throughout."""
+    return [
+        float(len(ids)) if int(a) % 4 == 2 else 1.0 for ids, a in zip(completion_ids, answer, strict=True)
+    ]
+
+
+def sampling_twice(prompts, trainer):
+    """A rollout_func sampling the prompts twice, training on the second call's samples."""
+    ids, mask = tokenized(trainer, prompts)
+    trainer.generate_completions(ids, mask)
+    return rollout_output(ids, mask, trainer.generate_completions(ids, mask))
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1], ids=["sync", "async"])
+@pytest.mark.parametrize("source", ["rollout_func", "tool_turns", "extra_rounds"])
+def test_no_two_requests_share_a_seed(tmp_path, max_staleness, source):
+    """Every request of 3 steps has a seed of its own, synchronous or async: a rollout_func's two calls
+    of one round, the turns of tool episodes, and dynamic sampling's extra rounds (sampled on the
+    training thread, beside the generation thread's rounds)."""
+    fake = FakeVLLMServer(EOS, tool_then_answer if source == "tool_turns" else None)
+    settings = SERVER | dict(vllm_server_base_url=fake.url, max_staleness=max_staleness, max_steps=3)
+    extra, reward = {}, length_reward
+    if source == "rollout_func":
+        extra = {"rollout_func": sampling_twice}
+    elif source == "tool_turns":
+        extra, settings = {"tools": [add]}, settings | dict(max_completion_length=128)
+    else:
+        reward, settings = some_teach, settings | dict(dynamic_sampling=True, max_dynamic_sampling_rounds=4)
+    try:
+        GRPOTrainer(
+            tiny_llama(),
+            reward,
+            make_config(tmp_path, **settings),
+            chat_dataset(),
+            processing_class=TOKENIZER,
+            **extra,
+        ).train()
+    finally:
+        fake.close()
+    seeds = [body["seed"] for body in fake.completions()]
+    assert len(seeds) > 3 * 2 and len(set(seeds)) == len(seeds)  # more than one call for 3 rounds x 2 prompts
+
+
 # ---- The rounds: versions, overlap, data order, metrics ---------------------------------------------
 
 
@@ -252,20 +314,30 @@ def test_rounds_are_sampled_one_sync_ahead_in_the_samplers_order(
     """Every 1 step: round 1 is sampled from the initial weights (version 0) while the trainer trains
     on round 0, round r >= 2 from version r - 1; staleness 0 for round 0, then 1. Every 2 steps:
     rounds 0-3 are all in sync intervals 0 and 1, so all come from version 0, and rounds 2-3 are 1
-    version old when trained. The prompts are those of synchronous training, round by round."""
-    trainer = trainer_for(tmp_path / "async", server.url, weight_sync_steps=sync_steps)
+    version old when trained. The weights go to the server once per version a round is sampled from
+    (the versions of the last syncs precede no round). A round's requests take 0.3 s and a step 0.6 s:
+    the thread samples the next rounds while the trainer trains, which waits for round 0 only
+    (perf/rollout_wait_s). The prompts are those of synchronous training, round by round."""
+
+    class SlowStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # before the sync's wait for the thread
+            time.sleep(0.6)
+
+    server.delay = 0.3
+    trainer = trainer_for(
+        tmp_path / "async", server.url, callbacks=[SlowStep()], weight_sync_steps=sync_steps
+    )
     trainer.train()
     async_rounds = rounds_requested(server, versions)
     paths = [path for path, _ in server.requests if path in ("/collective_rpc", "/v1/completions")]
-    syncs = 4 // sync_steps
-    assert paths.count("/collective_rpc") == 1 + syncs  # the initial weights, then one per sync
-    before_first_sync = paths[: paths.index("/collective_rpc", 1)].count("/v1/completions")
-    assert before_first_sync == 2 * ahead  # rounds sampled before the first optimizer step's sync
+    sent = [i for i, path in enumerate(paths) if path == "/collective_rpc"]
+    assert len(sent) == len(set(versions))  # the initial weights, then each version a round is sampled from
+    before_first_sync = paths[: (sent[1:] or [len(paths)])[0]].count("/v1/completions")
+    assert before_first_sync == 2 * ahead  # rounds sampled before the first weights sent after a step
     assert logged(trainer, "sample/staleness_mean") == logged(trainer, "sample/staleness_max") == staleness
-    assert len(logged(trainer, "perf/weight_sync_s")) == syncs
-    assert (
-        len(logged(trainer, "perf/rollout_wait_s")) == 4 and min(logged(trainer, "perf/rollout_wait_s")) >= 0
-    )
+    assert len(logged(trainer, "perf/weight_sync_s")) == len(sent) - 1
+    waits = logged(trainer, "perf/rollout_wait_s")
+    assert len(waits) == 4 and waits[0] > 0.25 and max(waits[1:]) < 0.15, waits
     assert (
         len(logged(trainer, "rollout/generated_tok_s")) == 4
         and min(logged(trainer, "rollout/generated_tok_s")) > 0
@@ -283,6 +355,39 @@ def test_rounds_are_sampled_one_sync_ahead_in_the_samplers_order(
     finally:
         synchronous.close()
     assert async_rounds == [sorted(p) for p in sync_rounds]  # the sampler's order, each prompt once
+
+
+class Parameters(TrainerCallback):
+    """The policy's parameters at the end of each optimizer step, by global_step."""
+
+    def __init__(self):
+        self.after: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.after[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_weights_go_to_the_server_only_for_versions_rounds_are_sampled_from(tmp_path, server):
+    """A round spans 4 optimizer steps (steps_per_generation=4, gradient_accumulation_steps=1) and the
+    weights sync every step: of 12 syncs, only those of steps 3 and 7 precede a round (rounds 1 and 2,
+    read one sync before they are trained). The server gets the initial weights and those two
+    versions, each the parameters after its step, not a whole model every step."""
+    parameters = Parameters()
+    trainer = trainer_for(
+        tmp_path, server.url, callbacks=[parameters], max_steps=12, per_device_train_batch_size=2,
+        steps_per_generation=4, gradient_accumulation_steps=1,
+    )  # fmt: skip
+    trainer.train()
+    assert all(rounds_requested(server, [0, 3, 7]))  # rounds 0-2 from versions 0, 3 and 7
+    initial, third, seventh = server.loaded
+    assert all(torch.equal(third[name], value) for name, value in parameters.after[3].items())
+    assert all(torch.equal(seventh[name], value) for name, value in parameters.after[7].items())
+    assert not torch.equal(initial["lm_head.weight"], third["lm_head.weight"])
+    assert len(logged(trainer, "perf/weight_sync_s")) == 2 and logged(trainer, "sample/staleness_max") == [
+        0,
+        1,
+        1,
+    ]
 
 
 def test_evaluation_samples_from_the_synced_weights(tmp_path, server):
@@ -315,6 +420,35 @@ def test_async_reward_functions_are_awaited_on_the_generation_thread(tmp_path, s
     assert logged(trainer, "reward/judged") == logged(trainer, "reward/plain")  # the same lengths
 
 
+@pytest.mark.parametrize(
+    ("max_staleness", "steps"), [(0, [0, 1, 2, 3]), (1, [0, 0, 1, 2])], ids=["sync", "async"]
+)
+def test_reward_functions_see_the_trainer_state_of_their_rounds_policy_version(
+    tmp_path, server, max_staleness, steps
+):
+    """trainer_state.global_step is the optimizer steps in the weights that sampled the round: in sync
+    training the step training it; in async GRPO the version's sync step (rounds 0 and 1 from the
+    initial weights, round r >= 2 from version r - 1), even when the reward reads it after the
+    trainer has moved on (here: after step r - 1 ended), not the live step."""
+    ended = [threading.Event() for _ in range(4)]
+    seen = []
+
+    class Ended(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ended[state.global_step - 1].set()
+
+    def curriculum(completions, trainer_state, **kwargs):
+        if max_staleness and seen:  # round r >= 1 is scored on the thread while step r - 1 trains
+            ended[len(seen) - 1].wait(timeout=30)
+        seen.append(trainer_state.global_step)
+        return length_reward(completions)
+
+    trainer_for(
+        tmp_path, server.url, reward=curriculum, callbacks=[Ended()], max_staleness=max_staleness
+    ).train()
+    assert seen == steps
+
+
 def test_dynamic_sampling_tops_rounds_up_from_the_synced_weights(tmp_path, server):
     """DAPO dynamic sampling in async mode: a round taken from the queue with groups that do not
     teach is topped up by extra rounds, sampled on the training thread (every process in step) from
@@ -322,12 +456,9 @@ def test_dynamic_sampling_tops_rounds_up_from_the_synced_weights(tmp_path, serve
 
     threads = set()
 
-    def some_teach(completion_ids, answer, **kwargs):
-        """Prompts 1, 3, ... teach (their samples' lengths differ); the others score 1 throughout."""
+    def some_teach_here(completion_ids, answer, **kwargs):
         threads.add(threading.current_thread().name)
-        return [
-            float(len(ids)) if int(a) % 4 == 2 else 1.0 for ids, a in zip(completion_ids, answer, strict=True)
-        ]
+        return some_teach(completion_ids, answer)
 
     spread = []
 
@@ -337,7 +468,7 @@ def test_dynamic_sampling_tops_rounds_up_from_the_synced_weights(tmp_path, serve
             spread.append(bool((advantages != 0).any(dim=1).all()))
 
     trainer = trainer_for(
-        tmp_path, server.url, reward=some_teach, callbacks=[Batches()], max_steps=3, dynamic_sampling=True,
+        tmp_path, server.url, reward=some_teach_here, callbacks=[Batches()], max_steps=3, dynamic_sampling=True,
         max_dynamic_sampling_rounds=4, beta=0.0,
     )  # fmt: skip
     trainer.train()
@@ -377,6 +508,36 @@ def test_a_round_older_than_max_staleness_is_dropped_counted_and_sampled_again(t
     assert logged(resumed, "sample/staleness_mean")[2:] == [0.0, 1.0]  # steps 3-4 (1-2: the checkpoint's log)
 
 
+def numpy_logging_reward(completions, log_extra, **kwargs):
+    """The length reward, also logged as a completions-table column of NumPy values."""
+    values = np.array(length_reward(completions))
+    log_extra("length", values)
+    return values.tolist()
+
+
+def test_a_checkpoint_whose_rounds_hold_what_rewards_logged_resumes(tmp_path, server):
+    """A reward function logs NumPy values with log_extra; the checkpoint of step 2 holds round 2 (sampled
+    ahead) with them: resume_from_checkpoint=True reads it back and trains on to step 4."""
+    saving = dict(reward=numpy_logging_reward, save_strategy="steps", save_steps=2)
+    trainer_for(tmp_path, server.url, callbacks=[StopAfter(2)], **saving).train()
+    resumed = trainer_for(tmp_path, server.url, **saving)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+
+
+def test_a_checkpoint_that_cannot_be_read_back_fails_when_saved(tmp_path, server, monkeypatch):
+    """Should a queued round hold a value torch.load(weights_only=True) refuses (here log_extra made to keep
+    NumPy values), saving fails at once, naming the file, and the checkpoint is not marked complete."""
+    monkeypatch.setattr(reward_outputs, "cell_value", lambda value: value)
+    trainer = trainer_for(
+        tmp_path, server.url, reward=numpy_logging_reward, save_strategy="steps", save_steps=2
+    )
+    with pytest.raises(ValueError, match=r"grpo_async_0.pt.tmp .* cannot be read back.*numpy"):
+        trainer.train()
+    assert trainer.state.global_step == 2 and no_generation_thread()
+    assert not (tmp_path / "checkpoint-2" / STATE_FILE).exists()
+
+
 # ---- Exact resume -------------------------------------------------------------------------------------
 
 
@@ -414,6 +575,73 @@ def test_resume_continues_exactly_no_prompt_lost_or_seen_twice(tmp_path, stop_af
         straight.model.named_parameters(), resumed.model.named_parameters(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+class TrainedRounds:
+    """The prompts (their numbers) of each round trained, in order, recorded where the trainer prepares a
+    round it trains on (`recorded_episodes`)."""
+
+    def __init__(self, monkeypatch):
+        self.rounds: list[list[str]] = []
+        record = grpo_hf.trainer.recorded_episodes
+
+        def recorded(trainer, scored):
+            if trainer.model.training:
+                self.rounds.append(sorted({p[0]["content"].split()[2] for p in scored.prompts}))
+            return record(trainer, scored)
+
+        monkeypatch.setattr(grpo_hf.trainer, "recorded_episodes", recorded)
+
+
+def test_epochs_with_a_short_last_step_keep_the_samplers_order_straight_and_resumed(tmp_path, monkeypatch):
+    """10 prompts, 2 a round, 2 rounds an optimizer step (gradient_accumulation_steps=2,
+    steps_per_generation=1): each epoch's last step takes 1 round. Over 2 epochs async GRPO trains the
+    rounds of synchronous training in its order, none dropped or sampled twice; stopped after step 4
+    (inside epoch 2) and resumed, the same rounds again, none lost or trained twice."""
+    trained = TrainedRounds(monkeypatch)
+    settings = dict(max_steps=-1, num_train_epochs=2, gradient_accumulation_steps=2, steps_per_generation=1)
+
+    def run(folder, max_staleness, **more):
+        fake = FakeVLLMServer(EOS)
+        try:
+            more = settings | more | SERVER | dict(vllm_server_base_url=fake.url, max_staleness=max_staleness)
+            trainer = GRPOTrainer(
+                tiny_llama(), length_reward, make_config(folder, **more), chat_dataset(10), processing_class=TOKENIZER,
+                callbacks=[StopAfter(4)] if "save_steps" in more else None,
+            )  # fmt: skip
+            trainer.train(resume_from_checkpoint=more.get("resume_from_checkpoint"))
+        finally:
+            fake.close()
+        rounds, trained.rounds = trained.rounds, []
+        return trainer, rounds, len(fake.completions())
+
+    _, synchronous, _ = run(tmp_path / "sync", 0)
+    assert len(synchronous) == 10 and synchronous[:5] != synchronous[5:]  # 2 epochs of 5 rounds, reshuffled
+    straight, rounds, requests = run(tmp_path / "straight", 1)
+    assert rounds == synchronous and requests == 10 * 2  # each round sampled once: 2 prompts
+    assert straight.state.global_step == 6 and not logged(straight, "sample/dropped_stale_total")
+    _, before, _ = run(tmp_path / "stopped", 1, save_strategy="steps", save_steps=4)
+    resumed, after, requests = run(
+        tmp_path / "stopped", 1, resume_from_checkpoint=str(tmp_path / "stopped" / "checkpoint-4")
+    )
+    assert before + after == synchronous and resumed.state.global_step == 6
+    assert len(before) == 7 and requests == 2  # round 9's 2 prompts: rounds 7 and 8 came from the checkpoint
+
+
+def test_a_checkpoint_trained_on_other_data_is_refused_before_training(tmp_path, server):
+    """The checkpoint's count of micro-batches trained disagrees with where the Trainer resumes (another
+    dataset or batch layout; here the count edited): a clear error, naming the settings, before any step."""
+    trainer_for(tmp_path, server.url, save_strategy="steps", save_steps=2, callbacks=[StopAfter(2)]).train()
+    path = tmp_path / "checkpoint-2" / ASYNC_FILE.format(0)
+    saved = torch.load(path, weights_only=True)
+    assert saved["trained"] == 2
+    torch.save(saved | {"trained": 3}, path)
+    resumed = trainer_for(tmp_path, server.url)
+    with pytest.raises(
+        ValueError, match="trained 3 micro-batches.*resumes after 2.*gradient_accumulation_steps"
+    ):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert resumed.state.global_step == 2 and no_generation_thread()
 
 
 # ---- Faults ---------------------------------------------------------------------------------------------
@@ -471,6 +699,28 @@ def test_a_reward_function_raising_reaches_the_trainer_as_itself(tmp_path, serve
     assert [path for path, _ in server.requests].count("/collective_rpc") == 1  # the initial weights only
 
 
+@pytest.mark.parametrize("max_staleness", [0, 1], ids=["sync", "async"])
+def test_a_base_exception_from_a_reward_function_reaches_the_trainer_at_once(tmp_path, server, max_staleness):
+    """An async reward function raising asyncio.CancelledError (a BaseException, not an Exception) on
+    round 1: train() raises it at step 1 in async GRPO (scored on the generation thread) as in
+    synchronous training, not after heartbeat_stale_after_s with the server blamed."""
+    calls = []
+
+    async def judge(completions, **kwargs):
+        calls.append(len(completions))
+        if len(calls) > 1:
+            raise asyncio.CancelledError("judge request cancelled")
+        return [1.0] * len(completions)
+
+    trainer = trainer_for(
+        tmp_path, server.url, reward=judge, max_staleness=max_staleness, heartbeat_stale_after_s=60.0
+    )
+    start = time.monotonic()
+    with pytest.raises(asyncio.CancelledError):
+        trainer.train()
+    assert time.monotonic() - start < 30 and trainer.state.global_step == 1 and no_generation_thread()
+
+
 def test_an_error_on_the_training_thread_aborts_the_requests_in_flight(tmp_path, server):
     """Rounds 1-3 are in flight on a slow server when training fails: train() ends at once, the
     requests aborted, no thread left."""
@@ -518,12 +768,47 @@ def test_sigterm_stops_cleanly_with_a_complete_checkpoint(tmp_path, server):
 
 def test_two_processes_sample_their_own_shares_ahead(tmp_path, server):
     """DDP over gloo: each process's thread sends its own share of each round (its seeds keyed by
-    the process) from the same versions as on one process; the weights go once per sync; both
-    processes train 4 steps and log the same staleness."""
+    the process) from the same versions as on one process; the weights go once per version a round
+    is sampled from; both processes train 4 steps and log the same staleness."""
     launch_two_processes(ROOT / "tests" / "server_worker.py", [server.url, str(tmp_path), "async"], tmp_path)
     per_round = rounds_requested(server, [0, 0, 1, 2], processes=2)
     assert [len(prompts) for prompts in per_round] == [4, 4, 4, 4]  # 2 prompts per process per round
-    assert sum(path == "/collective_rpc" for path, _ in server.requests) == 5
+    assert sum(path == "/collective_rpc" for path, _ in server.requests) == 3  # versions 0, 1, 2
     for index in (0, 1):
         log = json.loads((tmp_path / f"log-{index}.json").read_text())
         assert [e["sample/staleness_mean"] for e in log if "sample/staleness_mean" in e] == [0, 1, 1, 1]
+
+
+def test_a_process_done_early_waits_for_a_peers_longer_episodes_in_short_collectives(tmp_path):
+    """Async GRPO on 2 processes (gloo, ddp_timeout=6 s on the group from the start of training), each
+    with one prompt's tool episodes: one calls `add` 4 times before answering, the other answers at
+    once, and each request takes 2 s, so one process's round is ready ~8 s before the other's. It
+    waits for its peer in collectives of about a second (AGREE_EVERY_S), not in one that outlasts
+    ddp_timeout: both train their step."""
+
+    def four_calls_for_one_plus_one(prompt, j, body):
+        text = TOKENIZER.decode(prompt)
+        if "1 + 1" in text and text.count("<|im_start|>tool") < 4:
+            return tool_then_answer([], j, body)  # a call of `add`
+        return TOKENIZER("done", add_special_tokens=False)["input_ids"] + [EOS]
+
+    fake = FakeVLLMServer(EOS, four_calls_for_one_plus_one)
+    fake.delay = 2.0
+    try:
+        launch_two_processes(
+            ROOT / "tests" / "server_worker.py", [fake.url, str(tmp_path), "async-turns"], tmp_path
+        )
+    finally:
+        fake.close()
+    results = sorted(
+        TOKENIZER.decode(body["prompt"]).count("<|im_start|>tool") for body in fake.completions()
+    )
+    assert results == [
+        0,
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]  # tool results in context: 5 turns of one episode group, 1 of the other
+    assert (tmp_path / "trained-0").read_text() == (tmp_path / "trained-1").read_text() == "1"

@@ -178,6 +178,22 @@ def test_log_extra_fills_one_column_per_completion_and_log_metric_one_value_per_
     assert logs.metrics == {"letters": [2.5]}  # (1 + 2 + 3 + 4) / 4, one call
 
 
+def test_log_extra_keeps_plain_values_as_the_table_shows_them():
+    """NumPy and tensor values become the Python values they hold (a checkpoint's torch.load(weights_only=True)
+    refuses NumPy scalars); anything else but None, bool, int, float and str becomes its str()."""
+
+    def numpy_logging(completions, log_extra, **kwargs):
+        log_extra("length", np.array([float(len(c)) for c in completions]))  # np.float64 values
+        log_extra("mixed", [np.int64(7), torch.tensor(0.5), np.bool_(True), [1, 2]])
+        return [1.0] * len(completions)
+
+    _, _, _, logs = score_logged([numpy_logging])
+    assert [row["length"] for row in logs.extra_rows] == [1.0, 2.0, 3.0, 4.0]
+    assert [row["mixed"] for row in logs.extra_rows] == [7, 0.5, True, "[1, 2]"]
+    cells = [value for row in logs.extra_rows for value in row.values()]
+    assert {type(value) for value in cells} == {float, int, bool, str}
+
+
 def logs_then_fails_on_batches(completions, log_extra, log_metric, **kwargs):
     """Logs, then raises on a batch of several completions; "bb" also fails alone."""
     log_extra("seen", [f"{c}:{len(completions)}" for c in completions])

@@ -117,13 +117,14 @@ def test_no_server_and_a_timeout_are_clear_errors(trainer, tmp_path):
 
 def test_async_grpo_trains_against_the_server(vllm_server, tmp_path):
     """Async GRPO (max_staleness=1) through a real server: each round sampled a version ahead
-    (staleness 0, then 1), the LoRA weights sent after every step, the adapter moving; the first
-    round, sampled from the weights the trainer starts with, has sampler ratios near 1 (float32)."""
+    (staleness 0, then 1), the LoRA weights sent for the version round 2 is sampled from (after step
+    1; the syncs after steps 2 and 3 precede no round), the adapter moving; the first round, sampled
+    from the weights the trainer starts with, has sampler ratios near 1 (float32)."""
     run = make_trainer(tmp_path, **server_settings(vllm_server, max_staleness=1, max_steps=3))
     run.train()
     steps = [entry for entry in run.state.log_history if "sample/staleness_max" in entry]
     assert [entry["sample/staleness_max"] for entry in steps] == [0, 1, 1]
     assert all(entry["perf/rollout_wait_s"] >= 0 for entry in steps)
-    assert sum("perf/weight_sync_s" in entry for entry in run.state.log_history) >= 2
+    assert sum("perf/weight_sync_s" in entry for entry in run.state.log_history) == 1
     assert abs(steps[0]["sampler/ratio_mean"] - 1) < 1e-3
     assert any(p.abs().sum() > 0 for name, p in run.model.named_parameters() if "lora_B" in name)

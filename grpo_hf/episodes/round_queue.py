@@ -2,28 +2,36 @@
 from which policy version, and when the trainer takes them).
 
 `RoundQueue` holds this process's rounds given to the thread (or restored from a checkpoint) and
-not taken yet; the thread makes them in order: `produce(index, rows, version, client)` samples and
-scores one (HTTP through the thread's own client, reward functions; no torch.distributed call,
-which stays on the training thread). The training thread waits on it (`wait_for`, `drain`):
+not taken yet; the thread makes them in order: `produce(round, client)` samples and scores one
+(HTTP through the thread's own client, reward functions; no torch.distributed call, which stays on
+the training thread). The training thread waits on it (`take`, `drain`):
 
-- an error on the thread (no server, a request timing out, a reward function raising) is raised
-  by the training thread's next wait, as it was raised (a reward function's own exception);
+- an error on the thread (no server, a request timing out, a reward function raising, any
+  `BaseException`: asyncio.CancelledError from an async reward function) is raised by the training
+  thread's next wait, as it was raised (a reward function's own exception), as synchronous
+  training raises it;
 - a thread from which nothing comes back (no answer from the server: `tick`, no round made) for
   `heartbeat_s` seconds while the trainer waits is an error;
-- every wait ends with every process learning whether any failed (`_agree`: a small gather on the
-  training thread), so none goes on into a collective that a failed peer will never join;
+- with several processes a wait goes in slices of `AGREE_EVERY_S`, each ending in a small
+  all-reduce on the training thread (how many are ready, how many failed): no collective waits
+  for a peer's whole round (its thread's multi-turn episodes may take far longer than this
+  process's), so none outlasts `ddp_timeout` (gloo's timeout, NCCL's watchdog), and none goes on
+  into a collective that a failed peer will never join (every process raises: `agree`);
 - `stop` aborts the requests in flight (`VLLMClient.abort`) and joins the thread.
 """
 
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
+from transformers import TrainerState
 
 from grpo_hf.data.rollout import ScoredRound
 from grpo_hf.engine.vllm.client import VLLMClient
@@ -31,19 +39,22 @@ from grpo_hf.engine.vllm.client import VLLMClient
 logger = logging.getLogger(__name__)
 
 _ERRORS = {error.__name__: error for error in (ConnectionError, TimeoutError, ValueError, RuntimeError)}
+AGREE_EVERY_S = 1.0  # with several processes, seconds a wait goes before they compare notes
 
-# produce(round index, rows, policy version, client) -> the round sampled and scored (generation thread)
-Produce = Callable[[int, list[dict], int, VLLMClient], ScoredRound]
+# produce(round, client) -> the round sampled and scored (on the generation thread)
+Produce = Callable[["Round", VLLMClient], ScoredRound]
 
 
 @dataclass
 class Round:
-    """One generation round of this process: its rows, the policy version it is sampled from, and
-    what the thread made of it."""
+    """One generation round of this process: its rows, the policy version it is sampled from (and the
+    trainer's state when that version was made, its reward functions' trainer_state), and what the
+    thread made of it."""
 
     index: int
     rows: list[dict] | None  # None for a round restored from a checkpoint until its rows are read again
     version: int
+    trainer_state: TrainerState | None = None  # None for a round restored from a checkpoint (made already)
     scored: ScoredRound | None = None
 
     @property
@@ -62,16 +73,18 @@ class RoundQueue:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: VLLMClient | None = None
-        self._error: Exception | None = None
+        self._error: BaseException | None = None
         self._progress = 0.0  # when the server last answered the thread, or it made a round (time.monotonic)
 
     def tick(self) -> None:
         """The thread is alive: the server answered one of its requests (`VLLMClient.on_answer`)."""
         self._progress = time.monotonic()
 
-    def give(self, index: int, rows: list[dict], version: int, first: bool = False) -> Round:
+    def give(
+        self, index: int, rows: list[dict], version: int, trainer_state: TrainerState, first: bool = False
+    ) -> Round:
         """Round `index` (replacing any of that index) to the thread, next in line with `first`."""
-        made = Round(index, rows, version)
+        made = Round(index, rows, version, trainer_state)
         with self.changed:
             self.rounds[index] = made
             self._todo.appendleft(index) if first else self._todo.append(index)
@@ -96,27 +109,50 @@ class RoundQueue:
         self.wait_until(lambda: all(r.done for r in self.rounds.values()), "the rounds given to it")
 
     def wait_until(self, ready: Callable[[], bool], what: str) -> None:
-        """Wait (on the lock) until `ready()`, the thread fails, or heartbeat_s pass with nothing back from
-        it; then every process learns whether any failed (`_agree`)."""
-        error = None
+        """Wait until `ready()` on every process, or raise on every process once one's thread fails or
+        sends nothing back for heartbeat_s (see the module docstring: in slices with several processes)."""
+        since = time.monotonic()
+        slice_s = AGREE_EVERY_S if self.accelerator.num_processes > 1 else math.inf
+        while True:
+            error, done = self._wait_here(ready, what, since, slice_s)
+            failed, waiting = self._count([error is not None, not done])
+            if failed:
+                self.agree(error)  # raises on every process
+            if not waiting:
+                return
+
+    def _wait_here(
+        self, ready: Callable[[], bool], what: str, since: float, slice_s: float
+    ) -> tuple[BaseException | None, bool]:
+        """(this process's error or None, whether `ready()`) after waiting on the lock for `ready()`, the
+        thread failing, nothing back from it for heartbeat_s since `since`, or `slice_s` seconds."""
         with self.changed:
-            since = time.monotonic()
+            end = time.monotonic() + slice_s
             while not ready() and self._error is None:
-                quiet = time.monotonic() - max(since, self._progress)
+                now = time.monotonic()
+                quiet = now - max(since, self._progress)
                 if quiet > self.heartbeat_s:
-                    error = TimeoutError(
+                    return TimeoutError(
                         f"Nothing came back from the async GRPO generation thread (no answer from the vLLM server, "
                         f"no round made) in {quiet:.0f} s while the trainer waited for {what} "
                         f"(heartbeat_stale_after_s={self.heartbeat_s:g}): is the server stuck, or a reward "
                         "function? Raise heartbeat_stale_after_s if a request or a reward takes this long."
-                    )
-                    break
-                self.changed.wait(timeout=min(1.0, self.heartbeat_s))
-            error = error or self._error
-        self._agree(error)
+                    ), False
+                if now >= end:
+                    return None, False
+                self.changed.wait(timeout=min(1.0, self.heartbeat_s, end - now))
+            return self._error, self._error is None
 
-    def _agree(self, error: Exception | None) -> None:
-        """Raise `error` (this process's) or a peer's: every process raises if any failed."""
+    def _count(self, flags: list[bool]) -> list[int]:
+        """How many processes hold each of `flags` (every process calls it: an all-reduce of a few numbers)."""
+        if self.accelerator.num_processes == 1:
+            return [int(flag) for flag in flags]
+        counts = torch.tensor([float(flag) for flag in flags], device=self.accelerator.device)
+        return [int(count) for count in self.accelerator.reduce(counts, "sum").tolist()]
+
+    def agree(self, error: BaseException | None) -> None:
+        """Raise `error` (this process's) or a peer's: every process raises if any failed (every process
+        calls it)."""
         failures = []
         if self.accelerator.num_processes > 1:
             said = None if error is None else (type(error).__name__, f"{type(error).__name__}: {error}")
@@ -145,8 +181,10 @@ class RoundQueue:
                     return
                 making = self.rounds[self._todo.popleft()]
             try:
-                scored = self._produce(making.index, making.rows, making.version, self._client)
-            except Exception as error:  # raised again by the training thread's next wait
+                scored = self._produce(making, self._client)
+            except BaseException as error:  # raised again by the training thread's next wait, whatever it is
+                # (asyncio.CancelledError from an async reward function too): a thread that ends without
+                # saying why would leave the trainer waiting for heartbeat_stale_after_s
                 with self.changed:
                     self._error = None if self._stop.is_set() else error
                     self.changed.notify_all()
@@ -183,6 +221,6 @@ class RoundQueue:
     def load_state(self, state: list[dict]) -> None:
         """Restore what `state` gave; each round gets its rows back when they are read again."""
         self.rounds = {
-            r["index"]: Round(r["index"], None, r["version"], ScoredRound.from_state(r["scored"]))
+            r["index"]: Round(r["index"], None, r["version"], scored=ScoredRound.from_state(r["scored"]))
             for r in state
         }

@@ -8,6 +8,9 @@ length, a non-number, NaN or inf raises `RewardOutputError` with the function's 
 are a `CallLog`'s methods: each call of a function gets its own, kept in the scoring call's
 `RewardLogs` only when the call succeeds (`scoring` retries a raising batch one completion at a
 time; what the failed call logged is dropped, each single call's values land on its own row).
+`log_extra` keeps each value as the completions table shows it (`cell_value`: plain Python data),
+so an async GRPO checkpoint holding a queued round's rows can be read back with
+`torch.load(weights_only=True)` (a NumPy scalar cannot).
 """
 
 import math
@@ -64,6 +67,14 @@ def _is_real_number(value: object) -> bool:
     return False
 
 
+def cell_value(value: object) -> object:
+    """`value` as a completions-table cell: None, a bool, int, float or str as is; a NumPy value or
+    tensor as the Python number (or list) it holds; then anything but those five types as its str()."""
+    if isinstance(value, torch.Tensor | np.ndarray | np.generic):
+        value = value.tolist()
+    return value if value is None or type(value) in (bool, int, float, str) else str(value)
+
+
 class CallLog:
     """`log_extra` / `log_metric` for one call of one reward function on the completions `rows`."""
 
@@ -80,7 +91,7 @@ class CallLog:
                 f"Reward function {self.func_name!r} called log_extra({column!r}, ...) with {len(values)} values "
                 f"for {len(self.rows)} completions; pass a column name (str) and one value per completion."
             )
-        self.extra.append((column, values))
+        self.extra.append((column, [cell_value(value) for value in values]))
 
     def log_metric(self, name: str, value: float) -> None:
         """Log the number `value` as the metric `name` (its mean over the logging interval and processes)."""

@@ -54,18 +54,13 @@ def completion_rows(
         row = {"prompt": message_text(prompt), "completion": transcript(completion)}
         row |= {name: _number(value) for name, value in zip(reward_names, per_func[i], strict=True)}
         row |= {"reward": _number(rewards[i]), "advantage": advantages[i].item()}
-        row |= {column: _loggable(scored.extra_rows[i].get(column)) for column in extra_columns}
+        row |= {column: scored.extra_rows[i].get(column) for column in extra_columns}  # plain (`cell_value`)
         rows.append(row)
     return rows
 
 
 def _number(value: float) -> float | None:
     return None if math.isnan(value) else value
-
-
-def _loggable(value: object) -> object:
-    """A value a table cell holds: None, a bool, number or string as is, anything else as its str()."""
-    return value if value is None or isinstance(value, bool | int | float | str) else str(value)
 
 
 def uniform_columns(rows: list[dict]) -> list[dict]:

@@ -6,7 +6,8 @@ one request with n = its rows (`plan_prompts`), so vLLM prefills it once; sample
 back to the j-th row holding that prompt. Every request has its own seed (`request_seed`: the
 run's seed, the policy version, the call since the weights changed, the request's place), so a
 run is reproducible and no two requests share random numbers (vLLM seeds sample j of a request
-with seed + j).
+with seed + j). The training thread's calls are counted (0, 1, ...); async GRPO's generation
+thread names its calls by round ('round 3.1': round 3's second call), so the two never share a key.
 """
 
 import hashlib
@@ -40,8 +41,9 @@ def plan_prompts(rows: list[list[int]]) -> tuple[list[list[int]], list[int], lis
     return prompts, counts, slots
 
 
-def request_seed(seed: int, version: int, call: int, key: int) -> int:
-    """A 48-bit seed for one request, a pure function of its four coordinates."""
+def request_seed(seed: int, version: int, call: int | str, key: int | str) -> int:
+    """A 48-bit seed for one request, a pure function of its four coordinates (`call`: the training
+    thread's call count, or the generation thread's call name; `key`: the request's place)."""
     digest = hashlib.blake2b(f"{seed}/{version}/{call}/{key}".encode(), digest_size=6).digest()
     return int.from_bytes(digest, "big")
 

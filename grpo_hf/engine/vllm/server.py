@@ -186,13 +186,14 @@ class ServerGenerator(Generator):
         prompt_mask: torch.Tensor,
         sampling: Sampling,
         version: int,
-        call: int,
+        call: str,
         client: VLLMClient,
         max_requests: int,
     ) -> Rollout:
         """This process's (B, P) rows through `client`, no collective and no weight update: from the
-        weights the server holds (policy `version`). Request seeds come from (version, `call`, the
-        request's place, this process), at most `max_requests` requests at once."""
+        weights the server holds (policy `version`). Request seeds come from (version, `call`: the
+        call's name, never a count as the training thread's calls have, the request's place, this
+        process), at most `max_requests` requests at once."""
         process, processes = self.accelerator.process_index, self.accelerator.num_processes
         samples = complete_rows(
             client,
