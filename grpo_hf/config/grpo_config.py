@@ -2,14 +2,16 @@
 
 The settings come in sections, each a dataclass `GRPOConfig` inherits with its own checks:
 `rollout_args` (data, sampling, batch geometry, rewards, dynamic sampling, tools), `loss_args`
-(the policy term, importance sampling, KL), `generation_args` (the generation backend: vLLM,
-transformers' generate, generation_kwargs) and `async_args` (async GRPO: max_staleness). This file
+(the policy term, importance sampling, KL), `generation_args` (transformers' generate,
+generation_kwargs), `vllm_args` (vLLM colocate and server) and `async_args` (async GRPO:
+max_staleness). Each section names itself in `_help_section`, which groups `--help`. This file
 holds the TrainingArguments defaults GRPO overrides, the model-loading, speed and logging settings,
 and `__post_init__`, which resolves and checks them in order.
 """
 
 import logging
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from transformers import TrainingArguments
@@ -26,6 +28,7 @@ from grpo_hf.config.loss_args import (
     loss_type_warnings,
 )
 from grpo_hf.config.rollout_args import REWARD_ERROR_POLICIES, SCALE_REWARDS, RolloutArguments
+from grpo_hf.config.vllm_args import VLLMArguments
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.decoding import DECODERS
 
@@ -49,10 +52,17 @@ GENERATION_BACKENDS = (*DECODERS, "vllm")
 
 @dataclass
 class GRPOConfig(
-    TrainingArguments, AsyncArguments, GenerationBackendArguments, LossArguments, RolloutArguments
+    TrainingArguments,
+    AsyncArguments,
+    VLLMArguments,
+    GenerationBackendArguments,
+    LossArguments,
+    RolloutArguments,
 ):
     """Training arguments for `GRPOTrainer`; every GRPO field carries its help text, here or in its
-    section (`rollout_args`, `loss_args`, `generation_args`, `async_args`)."""
+    section (`rollout_args`, `loss_args`, `generation_args`, `vllm_args`, `async_args`)."""
+
+    _help_section: ClassVar[tuple[str, str]] = ("grpo", "GRPO: model loading, precision, speed, logging")
 
     # Fields that also take a JSON object string (the command line and YAML configs pass strings).
     _VALID_DICT_FIELDS = [
