@@ -33,7 +33,8 @@ class ScriptArguments:
         default=None,
         metadata={
             "help": "Dataset to load: a Hub id, a local folder, or a builder name such as 'json' (then give "
-            "data files through `datasets` instead). Ignored when `datasets` is given."
+            "data files through `datasets` instead); grpo-hf's script (`load_script_dataset`) also reads a local "
+            "JSON / JSONL / CSV / parquet file. Ignored when `datasets` is given."
         },
     )
     dataset_config: str | None = field(

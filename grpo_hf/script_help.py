@@ -145,20 +145,22 @@ class SectionHelpAction(argparse.Action):
         parser.exit()
 
 
-def close_flags(parser: argparse.ArgumentParser, flag: str) -> list[str]:
-    """The parser's flags closest to `flag` (a mistyped `--name`), best first; none if none is close."""
-    known = [action.option_strings[0] for action in parser._actions if action.option_strings]
+def close_flags(flag: str, *parsers: argparse.ArgumentParser) -> list[str]:
+    """The flags of `parsers` closest to `flag` (a mistyped `--name`), best first; none if none is close."""
+    known = [
+        action.option_strings[0] for parser in parsers for action in parser._actions if action.option_strings
+    ]
     typed = "--" + flag.lstrip("-").replace("-", "_")
     return difflib.get_close_matches(typed, known, n=3, cutoff=0.6)
 
 
-def unknown_flags_message(parser: argparse.ArgumentParser, leftovers: list[str]) -> str:
-    """One line about the command-line words no setting took, naming the closest valid flags."""
+def unknown_flags_message(leftovers: list[str], *parsers: argparse.ArgumentParser) -> str:
+    """One line about the command-line words no setting took, naming the closest flags of `parsers`."""
     parts = []
     for word in leftovers:
         if word.startswith("-"):
             flag = word.split("=", 1)[0]
-            close = close_flags(parser, flag)
+            close = close_flags(flag, *parsers)
             parts.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
     if not parts:
         return f"unexpected values {leftovers} (each setting is given as --name value)"

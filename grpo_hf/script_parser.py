@@ -3,6 +3,9 @@
 The file's values become the defaults, flags on the command line override them, and its `env:`
 mapping is put into `os.environ` before anything is parsed. As in TRL, a `T | None` setting of a
 type other than str takes `none` / `null` on the command line (transformers' parser refuses it).
+A `bool | None` setting also takes `--no_<name>` (False), as a `bool` defaulting to True does: TRL's
+`gradient_checkpointing` defaults to True and so has `--no_gradient_checkpointing`, grpo-hf's is None
+until resolved (so that transformers' newer name, activation_checkpointing, can set it).
 
 Departures from TRL, each an earlier or clearer answer:
 - unknown keys in the YAML file are reported before the command line is parsed, and `--config=path`
@@ -66,6 +69,7 @@ class TrlParser(HfArgumentParser):
         if add_help:
             self.add_argument("-h", "--help", action=SectionHelpAction)
         self._accept_none()
+        self._add_negations()
 
     def error(self, message: str) -> typing.NoReturn:
         """Exit with one line, not argparse's usage block (which lists every flag)."""
@@ -102,7 +106,7 @@ class TrlParser(HfArgumentParser):
         )
         if not return_remaining_strings:
             if from_command_line:
-                raise ValueError(unknown_flags_message(self, from_command_line))
+                raise ValueError(unknown_flags_message(from_command_line, self))
             return tuple(parsed)
         if separate_remaining_strings:
             return (*parsed, from_file, from_command_line)
@@ -151,6 +155,23 @@ class TrlParser(HfArgumentParser):
         for action in self._actions:
             if action.type is not None and _optional_scalar(hints.get(action.dest)):
                 action.type = _none_or(action.type)
+
+    def _add_negations(self) -> None:
+        """`--no_<name>` for each `bool | None` setting that has none (see the module docstring)."""
+        hints = {}
+        for dataclass_type in self.dataclass_types:
+            hints |= typing.get_type_hints(dataclass_type)
+        flags = {option for action in self._actions for option in action.option_strings}
+        for name, hint in hints.items():
+            if hint == bool | None and f"--no_{name}" not in flags and f"--{name}" in flags:
+                self.add_argument(
+                    f"--no_{name}",
+                    f"--no-{name.replace('_', '-')}",
+                    action="store_false",
+                    dest=name,
+                    default=argparse.SUPPRESS,
+                    help=f"Set {name} to False.",
+                )
 
 
 def _optional_scalar(hint: object) -> bool:
@@ -204,7 +225,7 @@ def _missing_config_message(path: str) -> str:
 
 
 def _suggestions(parser: argparse.ArgumentParser, flags: list[str]) -> str:
-    close = {flag: close_flags(parser, flag) for flag in flags}
+    close = {flag: close_flags(flag, parser) for flag in flags}
     said = [
         f"{flag[2:]}: did you mean {' or '.join(c[2:] for c in near)}?"
         for flag, near in close.items()

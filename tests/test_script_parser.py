@@ -163,3 +163,15 @@ def test_none_for_an_optional_number_as_in_trl():
     # A str setting keeps 'none' as text (report_to none means no integration), as in TRL.
     (model,) = TrlParser(ModelConfig).parse_args_and_config(["--attn_implementation", "none"])
     assert model.attn_implementation == "none"
+
+
+def test_a_bool_that_may_be_unset_takes_no_as_trls_true_defaults_do():
+    """TRL's gradient_checkpointing defaults to True, so TRL's parser has --no_gradient_checkpointing;
+    ours is None until resolved, and takes the same flag."""
+    common = ["--output_dir", "o", "--use_cpu"]
+    (args,) = TrlParser(GRPOConfig).parse_args_and_config([*common, "--no_gradient_checkpointing"])
+    assert args.gradient_checkpointing is False
+    (args,) = TrlParser(GRPOConfig).parse_args_and_config(common)
+    assert args.gradient_checkpointing is True
+    (args,) = TrlParser(GRPOConfig).parse_args_and_config([*common, "--no-bf16", "--precision", "fp32"])
+    assert args.bf16 is False
