@@ -44,7 +44,7 @@ train: install
 TEST_WORKERS ?= 2
 
 test: install
-	$(BIN)/ruff check grpo_hf recipes tests tests_vllm bench
+	$(BIN)/ruff check grpo_hf grpo_hf_cli recipes tests tests_vllm bench
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 	$(MAKE) test-vllm
 
@@ -92,8 +92,8 @@ bench-gpu: install
 	$(BIN)/python bench/gpu_decode.py $(BENCH_GPU_ARGS)
 
 lint: install
-	$(BIN)/ruff check grpo_hf recipes tests tests_vllm bench
-	$(BIN)/ruff format --check grpo_hf recipes tests tests_vllm bench
+	$(BIN)/ruff check grpo_hf grpo_hf_cli recipes tests tests_vllm bench
+	$(BIN)/ruff format --check grpo_hf grpo_hf_cli recipes tests tests_vllm bench
 
 # The vLLM backend against our decoder on this CPU: startup, tokens/s, weight sync (bench/vllm_backend.py).
 bench-vllm: venv-vllm

@@ -5,7 +5,7 @@
 Runs `recipes/grpo.py` with its config (`make train`'s unless `--config`), a checkpoint every
 `--every` steps, the flags after `--` on top (any `GRPOConfig` or script setting, as on the
 recipe's command line); then scores every checkpoint on the task's held-out split with the recipe's
-own evaluation (its settings parsed by the recipe's parser). Prints step and accuracy and writes
+own evaluation (`grpo_hf_cli`: the script recipes/grpo.py runs, its settings parsed by its parser). Prints step and accuracy and writes
 `bench/results/learning_curve-<name>.json`. `--core N` pins the run to CPU core N with one thread,
 so that two runs share a 2-core machine without their threads fighting: for accuracy, not timing
 (one thread changes the sums' order, so such a run samples other completions than `make train`).
@@ -15,7 +15,6 @@ model, data and rewards; one process), scored the same way: is a plateau the mod
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -26,22 +25,17 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from grpo_hf.models.loading import load_model, load_tokenizer
+from grpo_hf.models.loading import DEFAULT_MODEL, load_model, load_tokenizer
 from grpo_hf.models.policy import model_init_kwargs, tokenizer_init_kwargs
+from grpo_hf.tasks import TASKS
+from grpo_hf_cli import grpo as script
+from grpo_hf_cli.task_report import evaluate_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 RECIPE = ROOT / "recipes" / "grpo.py"
 TRL_RECIPE = Path(__file__).resolve().parent / "trl_recipe.py"
 CONFIG = ROOT / "recipes" / "configs" / "smollm2_lora_arithmetic.yaml"
-
-
-def load_recipe():
-    """recipes/grpo.py as a module (recipes/ holds scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("grpo_recipe", RECIPE)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    return recipe
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,23 +94,26 @@ def checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def checkpoint_model(model_args, config, path: Path):
+def checkpoint_model(model_name: str, config, path: Path):
     """A LoRA checkpoint's adapter on its base model, or a full fine-tuning checkpoint's weights."""
     if (path / "adapter_config.json").exists():
-        base = load_model(model_args.model_name_or_path, **model_init_kwargs(config))
+        base = load_model(model_name, **model_init_kwargs(config))
         return PeftModel.from_pretrained(base, path).eval()
     return load_model(str(path), **model_init_kwargs(config)).eval()
 
 
-def evaluate(recipe, settings: tuple, output_dir: Path) -> list[dict]:
+def evaluate(settings: tuple, output_dir: Path) -> list[dict]:
     """Each checkpoint scored by the recipe's own evaluation, as it scores the final model."""
-    script, model_args, config = settings
-    task, data = recipe.task_data(script, config)
-    tokenizer = load_tokenizer(model_args.model_name_or_path, **tokenizer_init_kwargs(config))
+    run, config, model_args, mixture = settings
+    task, data = TASKS[run.task], script.load_data(run, config, mixture)
+    model_name = model_args.model_name_or_path or DEFAULT_MODEL
+    tokenizer = load_tokenizer(model_name, **tokenizer_init_kwargs(config))
     curve = []
     for step, path in checkpoints(output_dir):
-        model = checkpoint_model(model_args, config, path)
-        accuracy = recipe.evaluate(model, tokenizer, data["test"], task, script, config)["accuracy"]
+        model = checkpoint_model(model_name, config, path)
+        accuracy = evaluate_model(model, tokenizer, data["test"], task, run.eval_max_new_tokens, config)[
+            "accuracy"
+        ]
         curve.append({"step": step, "accuracy": accuracy})
         print(f"step {step:4d}: held-out greedy accuracy {accuracy:.1%}", flush=True)
     return curve
@@ -125,13 +122,12 @@ def evaluate(recipe, settings: tuple, output_dir: Path) -> list[dict]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     output_dir = args.output_root / args.name
-    recipe = load_recipe()
-    settings = recipe.parse(recipe_args(args, output_dir))  # before training: a bad flag fails at once
+    settings = script.parse(recipe_args(args, output_dir))  # before training: a bad flag fails at once
     seconds = None if args.score_only else round(train(args, output_dir), 1)
     if args.core is not None:
         os.sched_setaffinity(0, {args.core})
         torch.set_num_threads(1)
-    curve = evaluate(recipe, settings, output_dir)
+    curve = evaluate(settings, output_dir)
     results = output_dir / "results.json"  # the recipe's; TRL's side evaluates nothing before training
     before = json.loads(results.read_text())["accuracy_before"] if results.exists() else None
     report = {"name": args.name, "trainer": args.trainer, "config": str(args.config.relative_to(ROOT)),

@@ -2,7 +2,7 @@
 
     python bench/trl_recipe.py --config recipes/configs/smollm2_lora_arithmetic.yaml [--any_setting value ...]
 
-The run is read with the recipe's own parser (recipes/grpo.py). TRL's GRPOConfig gets every setting
+The run is read with the recipe's own parser (`grpo_hf_cli.grpo`, the script recipes/grpo.py runs). TRL's GRPOConfig gets every setting
 the run changed from our GRPOConfig's defaults that TRL's config also has, and the precision and
 device ours resolved (`bf16`, `use_cpu`); TRL's trainer gets the recipe's LoRA, the task's train split, reward functions
 and tools, and the same model folder. The settings TRL has no field for are printed: they do not
@@ -13,13 +13,11 @@ Needs TRL (`pip install -e ".[bench]"`).
 
 import dataclasses
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning_curve import load_recipe  # noqa: E402  (bench/learning_curve.py, beside this file)
-
-from grpo_hf import GRPOConfig  # noqa: E402
-from grpo_hf.models.loading import resolve_model_path  # noqa: E402
+from grpo_hf import GRPOConfig, get_peft_config
+from grpo_hf.models.loading import DEFAULT_MODEL, resolve_model_path
+from grpo_hf.tasks import TASKS
+from grpo_hf_cli import grpo as script
 
 # Ours derives these from other settings; TRL derives them the same way from what it is given
 # (it refuses generation_batch_size beside steps_per_generation).
@@ -47,19 +45,18 @@ def main(argv: list[str] | None = None) -> None:
     from trl import GRPOConfig as TrlGRPOConfig
     from trl import GRPOTrainer as TrlGRPOTrainer
 
-    recipe = load_recipe()
-    script, model_args, config = recipe.parse(argv)
+    run, config, model_args, mixture = script.parse(argv)
     trl_fields = {f.name for f in dataclasses.fields(TrlGRPOConfig) if f.init}
     given, missing = trl_settings(config, trl_fields)
     print(f"TRL gets: {given}\nTRL has no field for (not applied): {missing}", flush=True)
-    task, data = recipe.task_data(script, config)
+    task, data = TASKS[run.task], script.load_data(run, config, mixture)
     tools = {"tools": task.tools} if task.tools else {}
     trainer = TrlGRPOTrainer(
-        model=resolve_model_path(model_args.model_name_or_path),
+        model=resolve_model_path(model_args.model_name_or_path or DEFAULT_MODEL),
         reward_funcs=task.rewards,
         args=TrlGRPOConfig(**given),
         train_dataset=data["train"],
-        peft_config=recipe.lora_config(model_args),
+        peft_config=get_peft_config(model_args),
         **tools,
     )
     trainer.train()

@@ -4,39 +4,37 @@ TRL's example scripts parse `TrlParser((ScriptArguments, GRPOConfig, ModelConfig
 `DatasetMixtureConfig` in `trl/scripts/grpo.py`) and build the trainer from the result; these are
 the same classes with the same fields, defaults and meaning, so such a script runs on grpo-hf with
 its import line changed. `grpo_hf.script_utils` turns them into a `LoraConfig`, a
-`BitsAndBytesConfig` and a dataset.
+`BitsAndBytesConfig` and a dataset; `grpo_hf.script_parser.TrlParser` (importable from here too)
+reads them from the command line and a `--config` YAML file.
 
-`TrlParser` is `HfArgumentParser` with `--config file.yaml`: the file's values become the defaults,
-flags on the command line override them, and its `env:` mapping is put into `os.environ` before
-anything is parsed. Departures from TRL, each an earlier or clearer error: `ModelConfig` rejects a
-`dtype` or `bnb_4bit_quant_type` outside its choices also when it comes from YAML or Python (argparse
-checks only the command line), `DatasetConfig` keys are checked when a mixture is built, unknown
-keys in the YAML file are reported before the command line is parsed, and `--config=path` is read
-like `--config path`. One setting TRL lacks: `DatasetMixtureConfig.test_split_seed` seeds
-`get_dataset`'s test split (TRL's draws from NumPy's global random state, another split on every
-process and every run).
+Departures from TRL, each an earlier or clearer error: `ModelConfig` rejects a `dtype` or
+`bnb_4bit_quant_type` outside its choices also when it comes from YAML or Python (argparse checks
+only the command line), and `DatasetConfig` keys are checked when a mixture is built. One setting
+TRL lacks: `DatasetMixtureConfig.test_split_seed` seeds `get_dataset`'s test split (TRL's draws from
+NumPy's global random state, another split on every process and every run).
 """
 
-import argparse
 import dataclasses
-import os
-import sys
-from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-import yaml
-from transformers import HfArgumentParser
+from grpo_hf.script_parser import TrlParser
+
+__all__ = ["DatasetConfig", "DatasetMixtureConfig", "ModelConfig", "ScriptArguments", "TrlParser"]
 
 
 @dataclass
 class ScriptArguments:
     """Arguments every TRL-style script takes: which dataset and splits to train and evaluate on."""
 
+    _help_section: ClassVar[tuple[str, str]] = ("data", "data: the dataset, its splits, a mixture (YAML)")
+
     dataset_name: str | None = field(
         default=None,
         metadata={
             "help": "Dataset to load: a Hub id, a local folder, or a builder name such as 'json' (then give "
-            "data files through `datasets` instead). Ignored when `datasets` is given."
+            "data files through `datasets` instead); grpo-hf's script (`load_script_dataset`) also reads a local "
+            "JSON / JSONL / CSV / parquet file. Ignored when `datasets` is given."
         },
     )
     dataset_config: str | None = field(
@@ -81,6 +79,8 @@ class ModelConfig:
     all-linear` or a regular expression reaches PEFT as one pattern (PEFT matches a string against
     the whole module name, a list against name suffixes).
     """
+
+    _help_section: ClassVar[tuple[str, str]] = ("model", "model: checkpoint, dtype, LoRA, quantization")
 
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Checkpoint to start from: a Hub id or a local folder."}
@@ -194,6 +194,8 @@ class DatasetMixtureConfig:
     On the command line, `--datasets a b` gives datasets by `path` only.
     """
 
+    _help_section: ClassVar[tuple[str, str]] = ScriptArguments._help_section
+
     datasets: list[DatasetConfig] = field(
         default_factory=list,
         metadata={"help": "Datasets of the mixture (a YAML list of `DatasetConfig` mappings)."},
@@ -229,103 +231,3 @@ class DatasetMixtureConfig:
                 if "path" not in dataset:
                     raise ValueError(f"datasets[{i}] has no `path`.")
                 self.datasets[i] = DatasetConfig(**dataset)
-
-
-class TrlParser(HfArgumentParser):
-    """`HfArgumentParser` that also reads `--config file.yaml` (see the module docstring).
-
-        parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
-        script_args, training_args, model_args = parser.parse_args_and_config()
-
-    A field named `config` is refused: `--config` is the file.
-    """
-
-    def __init__(self, dataclass_types=None, **kwargs):
-        if dataclass_types is None:
-            dataclass_types = []
-        elif dataclasses.is_dataclass(dataclass_types) or not isinstance(dataclass_types, Iterable):
-            dataclass_types = [dataclass_types]
-        dataclass_types = list(dataclass_types)  # a generator would be spent by the check below
-        for dataclass_type in dataclass_types:
-            if "config" in {f.name for f in dataclasses.fields(dataclass_type)}:
-                raise ValueError(
-                    f"{dataclass_type.__name__} has a field named 'config', which TrlParser reserves for the "
-                    "--config file; rename the field."
-                )
-        super().__init__(dataclass_types=dataclass_types, **kwargs)
-
-    def parse_args_and_config(
-        self,
-        args: Iterable[str] | None = None,
-        return_remaining_strings: bool = False,
-        fail_with_unknown_args: bool = True,
-        separate_remaining_strings: bool = False,
-    ) -> tuple:
-        """One instance per dataclass: the YAML file's values, overridden by the command line.
-
-        `args` defaults to `sys.argv[1:]`. Keys of the file that no dataclass has are an error with
-        `fail_with_unknown_args`; with `return_remaining_strings` they come back as
-        `['--key', 'value', ...]` after the dataclasses, joined with the command line's leftovers, or
-        as two lists (file's, command line's) with `separate_remaining_strings`.
-        """
-        args = list(sys.argv[1:] if args is None else args)
-        config_path, args = _pop_config_flag(args)
-        from_file = self.set_defaults_with_config(**read_config(config_path)) if config_path else []
-        if from_file and fail_with_unknown_args and not return_remaining_strings:
-            raise ValueError(
-                f"Unknown settings in {config_path}: {from_file[::2]}; remove them, or parse with "
-                "fail_with_unknown_args=False."
-            )
-        output = self.parse_args_into_dataclasses(
-            args=args, return_remaining_strings=return_remaining_strings
-        )
-        if not return_remaining_strings:
-            return output
-        *parsed, from_command_line = output
-        if separate_remaining_strings:
-            return (*parsed, from_file, from_command_line)
-        return (*parsed, from_file + from_command_line)
-
-    def set_defaults_with_config(self, **kwargs) -> list[str]:
-        """Make `kwargs` the defaults of the arguments they name (also in subparsers), no longer
-        required; returns the others as `['--key', 'value', ...]`."""
-        used = _apply_defaults(self, kwargs)
-        return [item for key, value in kwargs.items() if key not in used for item in (f"--{key}", str(value))]
-
-
-def read_config(path: str) -> dict:
-    """A `--config` YAML file as a mapping, after putting its `env:` mapping into `os.environ`."""
-    with open(path) as file:
-        config = yaml.safe_load(file)
-    if not isinstance(config, dict):
-        raise ValueError(f"Config file {path} must contain a YAML mapping (setting: value lines).")
-    env = config.pop("env", {})
-    if not isinstance(env, dict):
-        raise ValueError(f"`env` in {path} must be a mapping of environment variables to values.")
-    for name, value in env.items():
-        os.environ[name] = str(value)
-    return config
-
-
-def _pop_config_flag(args: list[str]) -> tuple[str | None, list[str]]:
-    """The `--config` path (`--config path` or `--config=path`) and the arguments without it."""
-    for i, arg in enumerate(args):
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1], args[:i] + args[i + 1 :]
-        if arg == "--config":
-            if i + 1 == len(args):
-                raise ValueError("--config needs the path of a YAML file.")
-            return args[i + 1], args[:i] + args[i + 2 :]
-    return None, args
-
-
-def _apply_defaults(parser: argparse.ArgumentParser, values: dict) -> set[str]:
-    used = set()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for subparser in action.choices.values():
-                used |= _apply_defaults(subparser, values)
-        elif action.dest in values:
-            action.default, action.required = values[action.dest], False
-            used.add(action.dest)
-    return used

@@ -1,7 +1,9 @@
 """What a training script builds from its parsed arguments (`grpo_hf.script_args`), under TRL's names.
 
 `get_peft_config` and `get_quantization_config` turn a `ModelConfig` into the `peft_config` and
-`quantization_config` that `GRPOTrainer` takes; `get_dataset` loads a `DatasetMixtureConfig`;
+`quantization_config` that `GRPOTrainer` takes; `get_dataset` loads a `DatasetMixtureConfig`, and
+`load_script_dataset` a `ScriptArguments`' `dataset_name` (TRL's `load_dataset(dataset_name, ...)`,
+and a local data file too, which `datasets.load_dataset` would look for on the Hub);
 `init_zero_verbose` quiets a script's logging. `get_kbit_device_map` is TRL's up to 1.15 (1.16
 dropped it, transformers places a quantized model itself); it stays for scripts written against
 those versions (open-r1's among them), which pass it as `device_map`.
@@ -14,6 +16,7 @@ cannot have a `test_split_size` (TRL's fails on `IterableDataset.train_test_spli
 
 import logging
 import warnings
+from pathlib import Path
 
 import datasets
 import torch
@@ -22,9 +25,21 @@ from peft import LoraConfig
 from transformers import BitsAndBytesConfig
 from transformers.utils import is_rich_available
 
-from grpo_hf.script_args import DatasetMixtureConfig, ModelConfig
+from grpo_hf.script_args import DatasetMixtureConfig, ModelConfig, ScriptArguments
 
 logger = logging.getLogger(__name__)
+
+# The `datasets` builder for a data file's extension (after any compression suffix).
+DATA_FILE_BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".tsv": "csv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".txt": "text",
+}
+_COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
 
 
 def get_peft_config(model_args: ModelConfig) -> LoraConfig | None:
@@ -128,6 +143,34 @@ def get_dataset(mixture_config: DatasetMixtureConfig) -> datasets.DatasetDict:
             test_size=mixture_config.test_split_size, seed=mixture_config.test_split_seed
         )
     return datasets.DatasetDict({"train": mixture})
+
+
+def load_script_dataset(script_args: ScriptArguments) -> datasets.DatasetDict | datasets.IterableDatasetDict:
+    """The dataset `script_args.dataset_name` names, with `dataset_config` and `dataset_streaming`.
+
+    A local data file (JSON / JSONL, CSV / TSV, parquet, arrow, text; compressed too) is read by its
+    builder, as the split 'train'; anything else (a Hub id, a local folder) goes to
+    `datasets.load_dataset` as in TRL's script.
+    """
+    name, streaming = script_args.dataset_name, script_args.dataset_streaming
+    path = Path(name)
+    if not path.is_file():
+        return datasets.load_dataset(name, name=script_args.dataset_config, streaming=streaming)
+    suffixes = [s.lower() for s in path.suffixes]
+    suffix = suffixes[-2] if len(suffixes) > 1 and suffixes[-1] in _COMPRESSIONS else path.suffix.lower()
+    if suffix not in DATA_FILE_BUILDERS:
+        raise ValueError(
+            f"dataset_name={name!r} is a file `datasets` has no reader for by its extension {suffix!r}; use "
+            f"one of {sorted(DATA_FILE_BUILDERS)}, a folder of such files, or a Hub id."
+        )
+    if script_args.dataset_config is not None:
+        raise ValueError(
+            f"dataset_config={script_args.dataset_config!r} names a configuration, and the single file "
+            f"{name} has none; drop dataset_config."
+        )
+    return datasets.load_dataset(
+        DATA_FILE_BUILDERS[suffix], data_files={"train": str(path)}, streaming=streaming
+    )
 
 
 def init_zero_verbose() -> None:

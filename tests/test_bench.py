@@ -193,7 +193,7 @@ def test_learning_curve_reads_the_run_as_the_recipe_does(tmp_path):
     config.write_text("task: arithmetic\nnum_test: 50\nseed: 3\nlearning_rate: 1.0e-4\nuse_cpu: true\n")
     args = curve.parse_args(["--steps", "30", "--every", "10", "--config", str(config), "--",
                              "--seed", "7", "--beta", "0", "--eval_max_new_tokens", "16"])  # fmt: skip
-    script, model_args, run = curve.load_recipe().parse(curve.recipe_args(args, tmp_path / "run"))
+    script, run, _, _ = curve.script.parse(curve.recipe_args(args, tmp_path / "run"))
     # The recipe's parser: its defaults, the YAML's values, then the flags, which come last.
     assert (script.task, script.num_test, script.num_train, script.eval_max_new_tokens) == (
         "arithmetic",
@@ -215,10 +215,10 @@ def test_learning_curve_reads_the_run_as_the_recipe_does(tmp_path):
 def test_trl_recipe_hands_trl_what_the_run_changed(tmp_path):
     trl_recipe = bench_module("trl_recipe")
     config = tmp_path / "run.yaml"
-    config.write_text("max_prompt_length: 128\ntemperature: 0.8\nbeta: 0.02\n")
+    config.write_text("task: arithmetic\nmax_prompt_length: 128\ntemperature: 0.8\nbeta: 0.02\n")
     args = ["--config", str(config), "--output_dir", str(tmp_path / "run"), "--steps_per_generation", "2",
             "--per_device_train_batch_size", "16", "--seed", "5"]  # fmt: skip
-    _, _, run = trl_recipe.load_recipe().parse(args)
+    _, run, _, _ = trl_recipe.script.parse(args)
     trl_fields = {"output_dir", "temperature", "beta", "seed", "use_cpu", "steps_per_generation", "bf16",
                   "per_device_train_batch_size", "generation_batch_size", "learning_rate"}  # fmt: skip
     given, missing = trl_recipe.trl_settings(run, trl_fields)

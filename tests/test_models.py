@@ -202,5 +202,48 @@ def test_folder_without_config_is_rejected(tmp_path: Path) -> None:
         load_tokenizer(str(tmp_path))
 
 
-def test_hub_id_is_passed_through() -> None:
+def test_hub_id_is_passed_through(monkeypatch) -> None:
+    monkeypatch.setattr(models, "_hub_reachable", lambda: True)
     assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_an_unknown_hub_id_offline_fails_at_once_naming_the_built_in_models(tmp_path, monkeypatch) -> None:
+    """transformers retried the hub for about 30 s per file and never said which names work offline."""
+    monkeypatch.setattr(models, "is_offline_mode", lambda: True)
+    monkeypatch.setattr(models.hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(OSError) as error:
+        load_model("someone/no-such-model")
+    assert str(error.value) == (
+        "model_name_or_path='someone/no-such-model': it is not a local folder or .gguf file, the Hugging Face "
+        "cache has no copy of it, and the hub cannot be reached (offline mode); pass a local folder with "
+        "config.json, a .gguf file, a hub id, or a built-in model ('smollm2-135m-instruct': no hub needed)"
+    )
+    # A model in the hub's cache is left to from_pretrained, which loads it offline.
+    (tmp_path / "models--someone--cached-model").mkdir()
+    assert resolve_model_path("someone/cached-model") == "someone/cached-model"
+
+
+def test_the_hub_counts_as_reachable_when_anything_answers(monkeypatch) -> None:
+    import http.server
+    import socket
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(403)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(models.hub_constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    assert models._hub_reachable()
+    server.shutdown()
+    server.server_close()
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setattr(models.hub_constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    assert not models._hub_reachable()

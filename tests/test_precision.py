@@ -9,7 +9,7 @@ import torch
 from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, length_reward, make_config
 
-from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf import GRPOConfig, GRPOTrainer, TrlParser
 from grpo_hf.engine import cpu
 
 
@@ -22,25 +22,25 @@ def native(request, monkeypatch) -> bool:
 
 
 def test_auto_picks_bf16_only_where_the_cpu_computes_it(tmp_path, native):
-    args = make_config(tmp_path, precision="auto", use_cpu=False)
+    args = make_config(tmp_path, precision="auto", bf16=None, use_cpu=False)
     assert args.bf16 is native and not args.fp16
     assert args.use_cpu or not native  # transformers wants use_cpu for bf16 on a CPU
 
 
 @pytest.mark.cpu_kind
 def test_auto_on_this_machine_follows_its_instruction_sets(tmp_path):
-    assert make_config(tmp_path, precision="auto").bf16 is cpu.native_bf16()
+    assert make_config(tmp_path, precision="auto", bf16=None).bf16 is cpu.native_bf16()
 
 
 @pytest.mark.cuda
 def test_auto_on_a_gpu_follows_the_gpu(tmp_path):
-    args = make_config(tmp_path, precision="auto", use_cpu=False)
+    args = make_config(tmp_path, precision="auto", bf16=None, use_cpu=False)
     assert args.bf16 is torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 @pytest.mark.parametrize(("precision", "bf16"), [("bf16", True), ("fp32", False)])
 def test_named_precisions(tmp_path, precision, bf16):
-    assert make_config(tmp_path, precision=precision).bf16 is bf16
+    assert make_config(tmp_path, precision=precision, bf16=None).bf16 is bf16
 
 
 @pytest.mark.parametrize(
@@ -52,6 +52,57 @@ def test_conflicting_or_unknown_precision_names_the_setting(tmp_path, kwargs):
         GRPOConfig(
             output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=8, num_generations=4, **kwargs
         )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flags"),
+    [
+        ({"precision": "auto", "bf16": True}, ["--precision bf16", "--bf16 true"]),
+        ({"precision": "auto", "bf16": False}, ["--precision fp32", "--bf16 false"]),
+        ({"precision": "bf16", "bf16": False}, ["--precision fp32", "--bf16 false"]),
+        ({"precision": "fp32", "fp16": True}, ["--fp16 true"]),
+        ({"precision": "half"}, ["--precision bf16", "--precision fp32", "--fp16 true"]),
+    ],
+)
+def test_every_precision_error_names_the_flags_that_work(tmp_path, kwargs, flags):
+    """precision='auto' with bf16=False was silently bf16 on a CPU with native bf16; now every
+    contradiction is refused, naming the flags that say what was meant."""
+    with pytest.raises(ValueError) as error:
+        GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, **kwargs)
+    assert all(flag in str(error.value) for flag in flags), str(error.value)
+
+
+def parse_with_file(tmp_path, file: str, *flags: str) -> GRPOConfig:
+    config = tmp_path / "config.yaml"
+    config.write_text(file)
+    common = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "8", "--num_generations", "4"]
+    (args,) = TrlParser(GRPOConfig).parse_args_and_config(["--config", str(config), *common, *flags])
+    return args
+
+
+@pytest.mark.parametrize(
+    ("file", "flags", "bf16", "fp16"),
+    [
+        ("precision: auto\n", ["--bf16", "false"], False, False),
+        ("precision: auto\n", ["--bf16", "true"], True, False),
+        ("precision: auto\n", ["--fp16", "true"], False, True),
+        ("bf16: true\n", ["--precision", "fp32"], False, False),
+        ("precision: fp32\nbf16: false\n", ["--precision", "bf16"], True, False),
+    ],
+)
+def test_a_flag_on_the_command_line_wins_over_the_files_precision(tmp_path, native, file, flags, bf16, fp16):
+    """The shipped configs say `precision: auto`: `--bf16 false` (as docs/scaling.md says) trains in
+    float32 on every CPU, and `--bf16 true` / `--fp16` are taken instead of refused."""
+    args = parse_with_file(tmp_path, file, *flags)
+    assert (args.bf16, args.fp16) == (bf16, fp16)
+    assert args.use_cpu or not bf16  # bf16 without a GPU trains on the CPU
+
+
+def test_the_files_precision_stays_without_a_precision_flag(tmp_path, native):
+    args = parse_with_file(tmp_path, "precision: auto\n", "--learning_rate", "0.5")
+    assert (args.precision, args.bf16, args.learning_rate) == ("auto", native, 0.5)
+    with pytest.raises(ValueError, match="--precision fp32"):
+        parse_with_file(tmp_path, "precision: auto\nbf16: false\n")  # one file saying both: refused
 
 
 def make_trainer(tmp_path, **overrides) -> GRPOTrainer:
@@ -66,7 +117,7 @@ def make_trainer(tmp_path, **overrides) -> GRPOTrainer:
 
 def test_the_choice_is_logged_once_at_start(tmp_path, native, caplog):
     with caplog.at_level(logging.WARNING, logger="grpo_hf.trainer"):
-        make_trainer(tmp_path, precision="auto")
+        make_trainer(tmp_path, precision="auto", bf16=None)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("precision:")]
     assert len(lines) == 1
     assert lines[0].startswith("precision: bf16" if native else "precision: fp32")

@@ -154,7 +154,7 @@ def test_without_config_it_is_hf_argument_parser():
         ["--use_peft", "--lora_target_modules", "all-linear"]
     )
     assert model.use_peft is True and model.lora_target_modules == "all-linear"
-    with pytest.raises(ValueError, match="Some specified arguments are not used"):
+    with pytest.raises(ValueError, match=r"unknown setting --lora_rank \(did you mean --lora_r"):
         TrlParser(ModelConfig).parse_args_and_config(["--lora_rank", "4"])
 
 

@@ -17,7 +17,7 @@ from helpers import (
 )
 
 from grpo_hf.config import GRPOConfig
-from grpo_hf.config.generation_args import VLLM_SAMPLING_KEYS
+from grpo_hf.config.vllm_args import VLLM_SAMPLING_KEYS
 from grpo_hf.data import rollout
 from grpo_hf.engine.vllm.colocate import ColocateGenerator
 

@@ -8,6 +8,7 @@ the generation backend and the generation batch are resolved.
 """
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from grpo_hf.config.checks import check_ranges
 
@@ -15,6 +16,11 @@ from grpo_hf.config.checks import check_ranges
 @dataclass
 class AsyncArguments:
     """When generation may run ahead of the optimizer, and how far (see the module docstring)."""
+
+    _help_section: ClassVar[tuple[str, str]] = (
+        "async",
+        "GRPO, async: generation ahead of the optimizer on a vLLM server",
+    )
 
     max_staleness: int = field(
         default=0,

@@ -2,8 +2,9 @@
 
 The settings come in sections, each a dataclass `GRPOConfig` inherits with its own checks:
 `rollout_args` (data, sampling, batch geometry, rewards, dynamic sampling, tools), `loss_args`
-(the policy term, importance sampling, KL), `generation_args` (the generation backend: vLLM,
-transformers' generate, generation_kwargs) and `async_args` (async GRPO: max_staleness). This file
+(the policy term, importance sampling, KL), `generation_args` (transformers' generate,
+generation_kwargs), `vllm_args` (vLLM colocate and server) and `async_args` (async GRPO:
+max_staleness). Each section names itself in `_help_section`, which groups `--help`. This file
 holds the TrainingArguments defaults GRPO overrides, the model-loading, speed and logging settings,
 and `__post_init__`, which resolves and checks them in order, `report_to` last (`reporting`: each
 integration it names can start).
@@ -11,6 +12,7 @@ integration it names can start).
 
 import logging
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from transformers import TrainingArguments
@@ -28,6 +30,7 @@ from grpo_hf.config.loss_args import (
 )
 from grpo_hf.config.reporting import check_report_to
 from grpo_hf.config.rollout_args import REWARD_ERROR_POLICIES, SCALE_REWARDS, RolloutArguments
+from grpo_hf.config.vllm_args import VLLMArguments
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.decoding import DECODERS
 
@@ -51,10 +54,20 @@ GENERATION_BACKENDS = (*DECODERS, "vllm")
 
 @dataclass
 class GRPOConfig(
-    TrainingArguments, AsyncArguments, GenerationBackendArguments, LossArguments, RolloutArguments
+    TrainingArguments,
+    AsyncArguments,
+    VLLMArguments,
+    GenerationBackendArguments,
+    LossArguments,
+    RolloutArguments,
 ):
     """Training arguments for `GRPOTrainer`; every GRPO field carries its help text, here or in its
-    section (`rollout_args`, `loss_args`, `generation_args`, `async_args`)."""
+    section (`rollout_args`, `loss_args`, `generation_args`, `vllm_args`, `async_args`)."""
+
+    _help_section: ClassVar[tuple[str, str]] = ("grpo", "GRPO: model loading, precision, speed, logging")
+    # Settings that decide one thing together: when the command line gives one of a group, TrlParser
+    # drops the others' values from the --config file, so that `--bf16 false` beats `precision: auto`.
+    _SETTINGS_DECIDED_TOGETHER: ClassVar[tuple[tuple[str, ...], ...]] = (("precision", "bf16", "fp16"),)
 
     # Fields that also take a JSON object string (the command line and YAML configs pass strings).
     _VALID_DICT_FIELDS = [
@@ -145,7 +158,8 @@ class GRPOConfig(
         metadata={
             "help": "'auto': bf16 where the device computes it natively (a CUDA GPU with bf16; a CPU with "
             "AVX-512-BF16 or AMX), float32 elsewhere, logged at start. 'bf16' / 'fp32': that one. It sets "
-            "--bf16 (and --use_cpu for bf16 on a CPU). Unset: --bf16 / --fp16 as given."
+            "--bf16 (and --use_cpu for bf16 on a CPU). Unset: --bf16 / --fp16 as given. --bf16 or --fp16 on "
+            "the command line replace a --config file's precision; set together elsewhere, they must agree."
         },
     )
     generation_backend: str = field(
@@ -235,22 +249,38 @@ class GRPOConfig(
 
     def _resolve_precision(self) -> None:
         """precision -> the --bf16 flag; 'auto' from what the device computes natively. Unset, with
-        neither --bf16 nor --fp16 given, it is 'auto' (TRL's default is bf16 on)."""
-        if self.precision is None:
-            if self.bf16 is not None or self.fp16:
-                self.bf16 = bool(self.bf16)
-                return
-            self.precision = "auto"
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r} is not one of {PRECISIONS}; or leave it unset.")
-        if self.fp16 or (self.bf16 and self.precision != "bf16"):
-            raise ValueError(
-                f"precision={self.precision!r} sets the precision itself; unset --bf16 / --fp16, or unset precision."
-            )
-        auto = self.precision == "auto"
-        self.bf16 = native_bf16(self.use_cpu)[0] if auto else self.precision == "bf16"
+        neither --bf16 nor --fp16 given, it is 'auto' (TRL's default is bf16 on). bf16 without a CUDA
+        GPU, whichever setting asked for it, trains on the CPU (transformers wants use_cpu for it)."""
+        if self.precision is None and (self.bf16 is not None or self.fp16):
+            self.bf16 = bool(self.bf16)
+        else:
+            self.precision = self.precision or "auto"
+            self._check_precision()
+            auto = self.precision == "auto"
+            self.bf16 = native_bf16(self.use_cpu)[0] if auto else self.precision == "bf16"
         if self.bf16 and not torch.cuda.is_available():
-            self.use_cpu = True  # transformers asks for it to run bf16 on a CPU
+            self.use_cpu = True
+
+    def _check_precision(self) -> None:
+        """precision is a known name, and bf16 / fp16, where given beside it, say the same thing."""
+        wins = "(on the command line, --bf16 / --fp16 win over a --config file's precision)"
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision={self.precision!r} is not one of {PRECISIONS}: pass --precision auto (bf16 where the "
+                "device computes it natively), --precision bf16 or --precision fp32; for fp16 leave precision "
+                "unset and pass --fp16 true."
+            )
+        if self.fp16:
+            raise ValueError(
+                f"precision={self.precision!r} and fp16=True both set the precision, and precision has no fp16: "
+                f"for fp16 leave precision unset and pass --fp16 true, else drop fp16 {wins}."
+            )
+        if self.bf16 is not None and (self.precision == "auto" or self.bf16 != (self.precision == "bf16")):
+            name = "bf16" if self.bf16 else "fp32"
+            raise ValueError(
+                f"precision={self.precision!r} and bf16={self.bf16} both set the precision: keep one, "
+                f"--precision {name} or --bf16 {str(self.bf16).lower()} with precision unset {wins}."
+            )
 
     def _resolve_checkpointing(self) -> None:
         """Gradient checkpointing on unless set (TRL's default), under either of transformers' names

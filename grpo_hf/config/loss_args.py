@@ -11,6 +11,7 @@ are `GRPOConfig`'s own, with `check_sampler_settings` and `loss_type_warnings` b
 
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from grpo_hf.algorithm.loss import LossSettings
 from grpo_hf.algorithm.policy_terms import CLIPPED_LOSS_TYPES, POLICY_TERMS, PolicySettings
@@ -25,6 +26,8 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 @dataclass
 class LossArguments:
     """How the loss is computed from a generation round (see the module docstring)."""
+
+    _help_section: ClassVar[tuple[str, str]] = ("loss", "GRPO, loss: policy term, importance sampling, KL")
 
     # ---- Policy loss ---------------------------------------------------------------------------
     num_iterations: int = field(

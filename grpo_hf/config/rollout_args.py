@@ -14,6 +14,7 @@ and `_resolve_generation_batch` in its `__post_init__`.
 
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from grpo_hf.algorithm.advantages import AGGREGATIONS
 from grpo_hf.config.checks import check_choices, check_dicts, check_ranges
@@ -25,6 +26,11 @@ REWARD_ERROR_POLICIES = ("raise", "retry", "zero")
 @dataclass
 class RolloutArguments:
     """What one generation round samples and how it is scored (see the module docstring)."""
+
+    _help_section: ClassVar[tuple[str, str]] = (
+        "rollout",
+        "GRPO, rollout: data, sampling, batch geometry, rewards, dynamic sampling, tools",
+    )
 
     # ---- Data and generation -------------------------------------------------------------------
     num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (G)."})

