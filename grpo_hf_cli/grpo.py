@@ -9,8 +9,8 @@ DatasetMixtureConfig)`, with `TrlParser` (a `--config` YAML file gives defaults,
 and trains as `trl/scripts/grpo.py` does: the dataset from `--dataset_name` (a Hub id, a local
 folder, or here also a local JSON / JSONL / CSV / parquet file) or a YAML `datasets:` mixture, the
 reward model and reward functions named, the model by name with `ModelConfig`'s dtype, attention,
-revision, LoRA and quantization; then save (and push with `--push_to_hub`, without TRL's
-`dataset_name` for the model card: transformers' `create_model_card` does not take it).
+revision, LoRA and quantization; then save (and push with `--push_to_hub`), the model card naming the
+dataset as TRL's does.
 
 Departures from TRL's script, each stated: `--task` trains on a built-in task instead (its data,
 its rewards plus any named, and its held-out greedy accuracy before and after training, a plot and
@@ -191,6 +191,7 @@ def main(
         peft_config=get_peft_config(model_args),
         tools=task.tools if task and task.tools else None,
     )
+    trainer.model_card.dataset_name = script.dataset_name  # every card of the run names it (TRL)
     before = (
         task_report.evaluate(trainer, dataset["test"], task, script.eval_max_new_tokens) if task else None
     )
@@ -201,8 +202,7 @@ def main(
     trainer.accelerator.print(f"Model saved to {args.output_dir}.")
     after = task_report.evaluate(trainer, dataset["test"], task, script.eval_max_new_tokens) if task else None
     if args.push_to_hub:  # every process: it saves the model again
-        # TRL passes dataset_name= for its model card; transformers' create_model_card has no such argument.
-        trainer.push_to_hub()
+        trainer.push_to_hub(dataset_name=script.dataset_name)
     if state.is_main_process and script.merge_adapter:  # last: merging takes the adapter out of the policy
         merged_dir = os.path.join(args.output_dir, "merged")
         trainer.accelerator.unwrap_model(trainer.model).merge_and_unload().save_pretrained(merged_dir)

@@ -226,6 +226,8 @@ def test_my_jsonl_trains_a_lora_adapter_in_one_command(model_dir, tmp_path):
         sorted(adapter["target_modules"]) == ["q_proj", "v_proj"] and adapter["lora_dropout"] == 0.05
     )  # TRL's
     assert (out / "adapter_model.safetensors").is_file()
+    card = (out / "README.md").read_text()  # the model card, naming the run's data as TRL's does
+    assert "my.jsonl" in card and "- grpo-hf" in card and "accuracy_reward" in card
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     assert [entry["step"] for entry in state["log_history"] if "rewards/accuracy_reward/mean" in entry] == [
         1,
