@@ -6,7 +6,7 @@ Runs `recipes/grpo.py` with its config (`make train`'s unless `--config`), a che
 `--every` steps, the flags after `--` on top (any `GRPOConfig` or script setting, as on the
 recipe's command line); then scores every checkpoint on the task's held-out split with the recipe's
 own evaluation (its settings parsed by the recipe's parser). Prints step and accuracy and writes
-`bench/results/learning_curve-<name>.json`. `--core N` pins the run to CPU core N with one thread,
+`bench/results/<date>-learning_curve-<name>-<machine>.json`. `--core N` pins the run to CPU core N with one thread,
 so that two runs share a 2-core machine without their threads fighting: for accuracy, not timing
 (one thread changes the sums' order, so such a run samples other completions than `make train`).
 `--score-only` scores an earlier run's checkpoints again (same `--name`, flags and `--output-root`).
@@ -29,8 +29,10 @@ from peft import PeftModel
 from grpo_hf.models.loading import load_model, load_tokenizer
 from grpo_hf.models.policy import model_init_kwargs, tokenizer_init_kwargs
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
+from results_file import results_path  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "results"
 RECIPE = ROOT / "recipes" / "grpo.py"
 TRL_RECIPE = Path(__file__).resolve().parent / "trl_recipe.py"
 CONFIG = ROOT / "recipes" / "configs" / "smollm2_lora_arithmetic.yaml"
@@ -136,8 +138,9 @@ def main(argv=None) -> None:
     report = {"name": args.name, "trainer": args.trainer, "config": str(args.config.relative_to(ROOT)),
               "flags": args.recipe_flags, "steps": args.steps, "core": args.core, "recipe_seconds": seconds,
               "accuracy_before": before, "curve": curve}  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"learning_curve-{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    output = results_path(f"learning_curve-{args.name}")
+    output.parent.mkdir(exist_ok=True)
+    output.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "curve"}))
 
 
