@@ -44,10 +44,9 @@ def declaring_class(config_class: type, name: str) -> type:
 
 
 def section_title(owner: type) -> str:
-    """A section's heading: its `_help_section` title (what `--help` prints), else its dotted name."""
+    """A section's heading: its `_help_section` title (what `--help` prints), else its class name."""
     help_section = owner.__dict__.get("_help_section")
-    name = f"{owner.__module__}.{owner.__name__}"
-    return f"{help_section[1]} (`{name}`)" if help_section else f"`{name}`"
+    return help_section[1] if help_section else owner.__name__
 
 
 def _section(owner: type, fields: list[dataclasses.Field]) -> str:
@@ -58,12 +57,14 @@ def _section(owner: type, fields: list[dataclasses.Field]) -> str:
         f"| `{f.name}` | {_type(f)} | {_default(f)} | {_cell(f.metadata.get('help', ''))} |" for f in fields
     ]
     table = ["| setting | type | default | what it does |", "| --- | --- | --- | --- |", *rows]
-    return "\n".join([f"## {section_title(owner)}", "", " ".join(doc.split()), "", *table, ""])
+    declared = f"Declared in `{owner.__module__}.{owner.__name__}`."
+    return "\n".join([f"## {section_title(owner)}", "", declared, " ".join(doc.split()), "", *table, ""])
 
 
 def _type(field: dataclasses.Field) -> str:
+    # Plain text, not code: a table cell's escaped pipe would show as "\|" inside a code span.
     kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
-    return _cell(f"`{str(kind).replace('typing.', '')}`")
+    return _cell(str(kind).replace("typing.", ""))
 
 
 def _default(field: dataclasses.Field) -> str:
@@ -73,7 +74,7 @@ def _default(field: dataclasses.Field) -> str:
         value = field.default_factory()
     else:
         return "required"
-    return _cell(f"`{value!r}`")
+    return _cell(f"`{value!r}`" if "|" not in repr(value) else repr(value))
 
 
 def _cell(text: str) -> str:
