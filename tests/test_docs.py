@@ -1,9 +1,10 @@
 """The documentation holds: every Python block of README.md and docs/ runs as written, every relative
 link resolves, and the GRPOConfig reference lists every setting with the help `--help` prints.
 
-A block whose info string says `notest` (```` ```python notest ````, pytest-markdown-docs' convention)
-is shown, not run: it needs a GPU, a vLLM server, a Hub model or a dataset of yours. Every other
-block runs alone in a subprocess, in a fresh folder, wandb disabled; the README's quick start trains
+A block whose info string marks it `notest` (```` ```python {.notest} ````: pytest-markdown-docs' word
+as a class attribute, which GitHub and MkDocs' superfences both read; a bare `python notest` breaks the
+site's rendering of the block) is shown, not run: it needs a GPU, a vLLM server, a Hub model or a
+dataset of yours. Every other block runs alone in a subprocess, in a fresh folder, wandb disabled; the README's quick start trains
 the real embedded model for two steps, the docs' examples a tiny random model.
 """
 
@@ -58,7 +59,8 @@ def fenced_blocks(path: Path) -> list[Block]:
 
 
 def runnable(block: Block) -> bool:
-    return bool(block.info) and block.info[0] in PYTHON and "notest" not in block.info
+    marks = {word.strip("{}.") for word in block.info[1:]}
+    return bool(block.info) and block.info[0] in PYTHON and "notest" not in marks
 
 
 RUNNABLE = [block for path in DOCUMENTS for block in fenced_blocks(path) if runnable(block)]
@@ -94,18 +96,35 @@ def test_the_quick_start_and_the_docs_examples_are_collected():
     assert len(readme) == 1, "the README runs one example, its quick start (the real model, two steps)"
 
 
+ATTRIBUTES = re.compile(r'(\{[^}]*\}|\w+="[^"]*")(\s+(\{[^}]*\}|\w+="[^"]*"))*')
+
+
+def renders_on_the_site(block: Block) -> bool:
+    """superfences takes a language then `{.class}` attributes or `key="value"` options, nothing else:
+    any other word turns the block into a paragraph of text."""
+    rest = " ".join(block.info[1:])
+    return not rest or bool(ATTRIBUTES.fullmatch(rest))
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=[str(p.relative_to(ROOT)) for p in DOCUMENTS])
+def test_every_code_block_renders_on_the_site(path):
+    assert [block.id for block in fenced_blocks(path) if not renders_on_the_site(block)] == []
+
+
 def test_fenced_blocks_reads_info_strings_and_indented_fences(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
-        "text\n```python\nx = 1\n```\n- item\n\n  ```python notest\n  y = 2\n  ```\n```bash\nls\n```\n"
+        "text\n```python\nx = 1\n```\n- item\n\n  ```python {.notest}\n  y = 2\n  ```\n```bash\nls\n```\n"
     )
     blocks = fenced_blocks(page)
     assert [(b.line, b.info, b.code) for b in blocks] == [
         (2, ["python"], "x = 1\n"),
-        (7, ["python", "notest"], "y = 2\n"),
+        (7, ["python", "{.notest}"], "y = 2\n"),
         (10, ["bash"], "ls\n"),
     ]
     assert [runnable(b) for b in blocks] == [True, False, False]
+    assert [renders_on_the_site(b) for b in blocks] == [True, True, True]
+    assert not renders_on_the_site(Block(page, 1, ["python", "notest"], ""))
 
 
 # ---- Relative links -----------------------------------------------------------------------------
