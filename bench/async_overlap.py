@@ -14,7 +14,7 @@ the server samples, the server idles while the trainer trains), 'async' with max
 (the next round is sampled while this one trains). Reported per side, over the steps after the
 first: completions per second, the median step, the share of the time the trainer waited for
 completions (sync: the rounds' generation seconds; async: perf/rollout_wait_s), the mean staleness,
-and the reward of every step (the learning curve). Results: bench/results/async_overlap.json.
+and the reward of every step (the learning curve). Results: bench/results/<date>-async_overlap-<machine>.json.
 """
 
 import argparse
@@ -33,6 +33,7 @@ from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+from results_file import results_path  # noqa: E402
 from run import machine_info, rerun_command, run_worker  # noqa: E402
 
 SERVER_START_TIMEOUT = 600  # seconds; a server on one core starts slowly
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-completion-length", type=int, default=24)
     parser.add_argument("--timeout", type=float, default=3600, help="Seconds before a run is stopped.")
-    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "async_overlap.json"))
+    parser.add_argument("--output", default=str(results_path("async_overlap")))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one side's JSON spec
     args = parser.parse_args(argv)
     args.sides = [s for s in args.sides.split(",") if s]

@@ -1,6 +1,6 @@
 """Where one of our benchmark steps goes: seconds per phase, how much of it is matmuls, at what rate.
 
-    python bench/breakdown.py          # about a minute; writes bench/results/breakdown.json
+    python bench/breakdown.py          # about a minute; writes bench/results/<date>-breakdown-<machine>.json
 
 Trains our GRPOTrainer on `make bench`'s workload (`bench/worker.py`, at the precision the trainer's
 precision='auto' takes on this machine) for `--steps` steps and profiles the last one with
@@ -29,11 +29,11 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import worker  # noqa: E402  (bench/worker.py and bench/run.py, beside this file)
+from results_file import results_path  # noqa: E402
 from run import machine_info  # noqa: E402
 
 from grpo_hf.engine.cpu import native_bf16  # noqa: E402
 
-OUTPUT = Path(__file__).resolve().parent / "results" / "breakdown.json"
 PEAK_SIZE = 2048
 PHASES = ("generation", "log-prob passes without grad", "policy forward", "backward")
 # Each matmul op's FLOPs from its recorded input shapes.
@@ -48,7 +48,7 @@ MATMUL_OPS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="Optimizer steps; the last is profiled.")
-    parser.add_argument("--output", default=str(OUTPUT))
+    parser.add_argument("--output", default=str(results_path("breakdown")))
     return parser.parse_args(argv)
 
 

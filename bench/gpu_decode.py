@@ -24,7 +24,7 @@ of models other than Llama, through the model's own forward; on CUDA 'llama_comp
 'transformers_compiled' too, compiled as theirs is): each line's tokens/s is its second call's;
 its first call's seconds (compilation, or the CUDA graph capture) are printed beside.
 TRL is needed only for its side (`pip install -e ".[bench]"`); without it that side is skipped and
-the output says so. Results: bench/results/gpu_decode.json.
+the output says so. Results: bench/results/<date>-gpu_decode-<machine>.json.
 """
 
 import argparse
@@ -43,6 +43,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory import LastStepPeak  # noqa: E402
+from results_file import results_path  # noqa: E402
 from run import rerun_command, run_worker  # noqa: E402
 from worker import StepTimer, build_trainer, per_step_logs, tokens_per_second  # noqa: E402
 
@@ -100,7 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reference-tokens", type=int, default=256)
     parser.add_argument("--no-reference", action="store_true", help="Skip the reference generate lines.")
     parser.add_argument("--timeout", type=float, default=3600, help="Seconds before a worker is stopped.")
-    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "gpu_decode.json"))
+    parser.add_argument("--output", default=str(results_path("gpu_decode")))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one run's JSON spec
     args = parser.parse_args(argv)
     args.workloads = [w for w in args.workloads.split(",") if w]

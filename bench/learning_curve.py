@@ -5,9 +5,9 @@
 Runs `recipes/grpo.py` with its config (`make train`'s unless `--config`), a checkpoint every
 `--every` steps, the flags after `--` on top (any `GRPOConfig` or script setting, as on the
 recipe's command line); then scores every checkpoint on the task's held-out split with the recipe's
-own evaluation (`grpo_hf_cli`: the script recipes/grpo.py runs, its settings parsed by its parser). Prints step and accuracy and writes
-`bench/results/learning_curve-<name>.json`. `--core N` pins the run to CPU core N with one thread,
-so that two runs share a 2-core machine without their threads fighting: for accuracy, not timing
+own evaluation (`grpo_hf_cli`: the script recipes/grpo.py runs, its settings parsed by its parser).
+Prints step and accuracy and writes `bench/results/<date>-learning_curve-<name>-<machine>.json`.
+`--core N` pins the run to CPU core N with one thread, so that two runs share a 2-core machine without their threads fighting: for accuracy, not timing
 (one thread changes the sums' order, so such a run samples other completions than `make train`).
 `--score-only` scores an earlier run's checkpoints again (same `--name`, flags and `--output-root`).
 `--trainer trl` trains with TRL's GRPOTrainer instead (`bench/trl_recipe.py`: the same settings,
@@ -31,8 +31,10 @@ from grpo_hf.tasks import TASKS
 from grpo_hf_cli import grpo as script
 from grpo_hf_cli.task_report import evaluate_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
+from results_file import results_path  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = Path(__file__).resolve().parent / "results"
 RECIPE = ROOT / "recipes" / "grpo.py"
 TRL_RECIPE = Path(__file__).resolve().parent / "trl_recipe.py"
 CONFIG = ROOT / "recipes" / "configs" / "smollm2_lora_arithmetic.yaml"
@@ -133,8 +135,9 @@ def main(argv=None) -> None:
     report = {"name": args.name, "trainer": args.trainer, "config": str(args.config.relative_to(ROOT)),
               "flags": args.recipe_flags, "steps": args.steps, "core": args.core, "recipe_seconds": seconds,
               "accuracy_before": before, "curve": curve}  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"learning_curve-{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    output = results_path(f"learning_curve-{args.name}")
+    output.parent.mkdir(exist_ok=True)
+    output.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "curve"}))
 
 

@@ -1,6 +1,6 @@
 """What single speed levers give, each against the plain way, on the benchmark's shapes.
 
-    python bench/levers.py            # about a minute; writes bench/results/levers.json
+    python bench/levers.py            # about a minute; writes bench/results/<date>-levers-<machine>.json
 
 Everything runs in bf16 where this CPU multiplies it natively (AVX-512-BF16 or AMX) and in float32
 elsewhere, as the trainer's precision='auto' would; "bf16" below reads "float32" there.
@@ -38,6 +38,7 @@ neither; each figure is the median of its repeats.
 import contextlib
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -62,10 +63,13 @@ from grpo_hf.engine.model_forward import TransformersDecoder
 from grpo_hf.engine.token_scores import token_logps_and_entropy
 from grpo_hf.models.loading import DEFAULT_MODEL, load_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
+from results_file import results_path  # noqa: E402
+
 ROWS, GROUP, PROMPT, COMPLETION = 16, 8, 29, 48
 # The precision the trainer's precision='auto' takes here: bf16 only on a CPU that multiplies it natively.
 DTYPE = torch.bfloat16 if native_bf16() else torch.float32
-OUTPUT = Path(__file__).resolve().parent / "results" / "levers.json"
+OUTPUT = results_path("levers")
 
 
 def alternate(a: Callable[[], float], b: Callable[[], float], repeats: int) -> tuple[float, float]:

@@ -14,7 +14,7 @@ completions per step (2 x 2 by default, so a CPU run ends in minutes).
 
 Peak memory: on CUDA `torch.cuda.max_memory_allocated` over the last step (statistics reset at its
 start); on a CPU the peak RSS of the worker process (`ru_maxrss`), which includes loading the
-model. Results go to bench/results/memory.json. TRL is needed only for `--sides trl`
+model. Results go to bench/results/<date>-memory-<machine>.json. TRL is needed only for `--sides trl`
 (`pip install -e ".[bench]"`).
 
     python bench/memory.py --saved-per-layer 1024,2048   # a minute or two per length on a CPU
@@ -38,6 +38,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_file import results_path  # noqa: E402
 from run import machine_info, rerun_command, run_worker  # noqa: E402
 from worker import StepTimer, build_trainer, per_step_logs  # noqa: E402
 
@@ -76,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-generations", type=int, default=2)
     parser.add_argument("--prompts-per-step", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600, help="Seconds before a worker is stopped.")
-    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "memory.json"))
+    parser.add_argument("--output", default=str(results_path("memory")))
     parser.add_argument(
         "--saved-per-layer", default="", help="Completion lengths: print bytes saved per layer."
     )

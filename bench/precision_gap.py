@@ -19,6 +19,7 @@ of completions that TRL's default correction (`vllm_importance_sampling_mode='se
 import argparse
 import json
 import math
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,6 +34,9 @@ from grpo_hf.engine.logprobs import completion_logps
 from grpo_hf.models.loading import DEFAULT_MODEL, load_tokenizer
 from grpo_hf.tasks import arithmetic_dataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
+from results_file import results_path  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 ASK = " Explain each step of the sum before you give the result."
 
@@ -44,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-generations", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument(
-        "--output", default=None, help="JSON report (default bench/results/precision_<p>.json)."
+        "--output",
+        default=None,
+        help="JSON report (default bench/results/<date>-precision_<p>-<machine>.json).",
     )
     return parser.parse_args(argv)
 
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for name, figures in passes.items():
         print(f"vLLM {args.precision} vs {name}:", figures, flush=True)
-    output = Path(args.output or ROOT / "bench" / "results" / f"precision_{args.precision}.json")
+    output = Path(args.output or results_path(f"precision_{args.precision}"))
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(report, indent=2))
     return report

@@ -12,7 +12,8 @@ is scored at its fastest precision, and the ratio is TRL's median over ours (the
 `auto` precisions (the default) run bf16 only on a CPU that multiplies it natively (AVX-512-BF16 or
 AMX): elsewhere bf16 matmuls are emulated and a bf16 side would take an hour to say it is slower
 than its own float32, so it is skipped, and the output says so; name it explicitly to run it anyway.
-Everything, with machine information and the commands to rerun, goes to bench/results/latest.json.
+Everything, with machine information and the commands to rerun, goes to
+bench/results/<date>-bench-<machine>.json (`bench/results_file.py`).
 
 TRL is needed only for `--sides trl`: `pip install -e ".[bench]"` (or `make bench`).
 """
@@ -33,6 +34,9 @@ from pathlib import Path
 import torch
 
 from grpo_hf.engine.cpu import native_bf16
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
+from results_file import results_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "worker.py"
@@ -76,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Both sides generate with vLLM colocate (use_vllm=True; a GPU run).",
     )
     parser.add_argument("--timeout", type=float, default=3600, help="Seconds before a worker is stopped.")
-    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "latest.json"))
+    parser.add_argument("--output", default=str(results_path("bench")))
     args = parser.parse_args(argv)
     args.sides = _choices(parser, "--sides", args.sides, ("ours", "trl"))
     auto = {side: getattr(args, f"{side}_precisions") == "auto" for side in ("ours", "trl")}

@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +37,9 @@ from grpo_hf.data import rollout
 from grpo_hf.engine.backends import build_generator
 from grpo_hf.models.loading import DEFAULT_MODEL, load_model, load_tokenizer
 from grpo_hf.tasks import arithmetic_dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
+from results_file import results_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--enforce-eager", action="store_true", help="vLLM without compiling (faster start, slower steps)."
     )
-    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "vllm_backend.json"))
+    parser.add_argument("--output", default=str(results_path("vllm_backend")))
     return parser.parse_args(argv)
 
 

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -15,6 +16,25 @@ from trainer_helpers import bench_module
 from grpo_hf.engine.cpu import native_bf16
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_reports_are_named_by_date_benchmark_and_machine(monkeypatch):
+    results_file = bench_module("results_file")
+    name = results_file.machine_name
+    assert name("NVIDIA H200", [], "NVIDIA H200") == "nvidia-h200"  # the GPU names a GPU run
+    assert name("AMD EPYC", ["fpu", "avx2"], None) == "amd-epyc-avx2"
+    assert name("AMD EPYC 9B14", ["avx2", "avx512f", "avx512_bf16"], None) == "amd-epyc-9b14-avx512bf16"
+    assert name("Intel(R) Xeon(R) CPU @ 2.20GHz", ["avx2", "amx_bf16"], None) == "intel-xeon-avx512bf16"
+    assert (
+        name("Intel(R) Core(TM) i7-8700 CPU @ 3.20GHz", ["avx2", "avx512f"], None)
+        == "intel-core-i7-8700-avx512"
+    )
+    here = results_file.this_machine()
+    assert bench_module("run").parse_args([]).output.endswith(f"-bench-{here}.json")  # make bench's default
+    monkeypatch.setattr(results_file, "this_machine", lambda: "amd-epyc-avx2")
+    path = results_file.results_path("bench")
+    assert path.parent == ROOT / "bench" / "results"
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-bench-amd-epyc-avx2\.json", path.name)
 
 
 @pytest.mark.parametrize("native", [True, False])

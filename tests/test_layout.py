@@ -1,4 +1,4 @@
-"""The import paths the README and recipes document keep working after the package moved into
+"""The import paths the docs and recipes document keep working after the package moved into
 folders: every name of `grpo_hf.__all__`, and the modules people import by name."""
 
 import importlib

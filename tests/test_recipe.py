@@ -90,7 +90,7 @@ def test_recipe_rejects_an_unknown_task_before_loading_the_model(tmp_path):
 
 @pytest.mark.slow
 def test_recipe_resumes_with_resume_from_checkpoint_true(tmp_path):
-    """The README's resume command: the second run takes checkpoint-1 and trains step 2 only."""
+    """The documented resume command (docs/troubleshooting.md): the second run takes checkpoint-1 and trains step 2 only."""
     model_dir = tmp_path / "tiny-llama"
     tiny_llama().save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)

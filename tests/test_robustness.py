@@ -229,7 +229,7 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("flag", ["true", "True", "TRUE", "1"])
 def test_resume_from_checkpoint_true_on_the_command_line_takes_the_newest_complete_one(tmp_path, flag):
-    """The README's `--resume_from_checkpoint true`: TrainingArguments declares the setting a string."""
+    """The documented `--resume_from_checkpoint true` (docs/troubleshooting.md): TrainingArguments declares the setting a string."""
     (args,) = TrlParser(GRPOConfig).parse_args_and_config(
         ["--output_dir", str(tmp_path), "--resume_from_checkpoint", flag, "--use_cpu", "--bf16", "false"]
     )

@@ -43,7 +43,7 @@ def length_reward(completions, **kwargs) -> list[float]:
 # How far the sampler's log-probs may be from our log-prob pass, per token, at each precision of the
 # trainer (the engine's or server's own dtype aside). float32 on both sides: the same numbers up to
 # summation order. bf16: `bench/precision_gap.py` measured up to 0.56 between a bf16 engine and our
-# bf16-autocast pass over 32 completions of ~150 tokens, mean 0.04 (README, vLLM); 0.75 leaves room
+# bf16-autocast pass over 32 completions of ~150 tokens, mean 0.04 (docs/benchmarks.md, make bench-precision); 0.75 leaves room
 # for other CPUs' kernels. The mean ratio pi_old / pi_sampler stays within 5% of 1 at either.
 SAMPLER_GAP = {False: 1e-3, True: 0.75}
 RATIO_MEAN_GAP = {False: 1e-3, True: 0.05}

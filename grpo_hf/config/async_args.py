@@ -1,7 +1,7 @@
 """The async GRPO settings of `GRPOConfig`: generation overlapped with training on a vLLM server.
 TRL's names and meanings (TRL 1.18's `AsyncGRPOConfig`); where grpo-hf departs from TRL, the help
 says so. `max_staleness=0` (the default) is synchronous training, as before these settings; >= 1
-turns async GRPO on (`episodes.async_rounds`; README, 'Async GRPO').
+turns async GRPO on (`episodes.async_rounds`; docs/async-grpo.md).
 
 `GRPOConfig` inherits these fields and calls `check_async_settings` in its `__post_init__`, after
 the generation backend and the generation batch are resolved.
@@ -30,7 +30,7 @@ class AsyncArguments:
             "and its prompts sampled again. 0: synchronous training. >= 1: a thread in each process generates "
             "the next rounds on a vLLM server (vllm_mode='server') while the trainer trains; grpo-hf generates "
             "each round from the weights of the sync interval before the one that trains on it, so completions "
-            "lag by 0 or 1 version (README, 'Async GRPO')."
+            "lag by 0 or 1 version (docs/async-grpo.md)."
         },
     )
     weight_sync_steps: int = field(
@@ -97,8 +97,8 @@ class AsyncArguments:
             raise ValueError(
                 f"max_staleness={self.max_staleness} (async GRPO) overlaps generation with training, which needs "
                 f"generation on other devices: a vLLM server. With {backend} generation shares the device with "
-                "training, so there is nothing to overlap. Set use_vllm=True and vllm_mode='server' (README, "
-                "'Async GRPO'), or max_staleness=0."
+                "training, so there is nothing to overlap. Set use_vllm=True and vllm_mode='server' "
+                "(docs/async-grpo.md), or max_staleness=0."
             )
         check_ranges(
             [

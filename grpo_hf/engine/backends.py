@@ -31,7 +31,7 @@ def generation_copy_for(
 
     With LoRA the copy holds the adapters merged, so a Llama decodes through `LlamaDecoder` on
     plain weights instead of the PEFT model's forward (a float32 round of the bench workload on an
-    AVX2 CPU: see README); it costs one more copy of the weights in that dtype.
+    AVX2 CPU: docs/design/cpu-performance.md); it costs one more copy of the weights in that dtype.
     """
     if sharded and settings.generation_dtype is not None:
         raise ValueError(

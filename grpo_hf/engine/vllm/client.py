@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 START_COMMAND = (
     "VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model <the policy's model> "
-    "--logprobs-mode processed_logprobs --port <port> (README, 'vLLM server mode')"
+    "--logprobs-mode processed_logprobs --port <port> (docs/vllm.md, 'Server')"
 )
 
 
