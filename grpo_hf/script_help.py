@@ -41,7 +41,7 @@ def sections(parser: argparse.ArgumentParser, dataclass_types: list[type]) -> li
     of_field = {}
     for dtype in dataclass_types:
         for field in dataclasses.fields(dtype):
-            of_field.setdefault(field.name, _declaring_section(dtype, field.name))
+            of_field.setdefault(field.name, section_of(declaring_class(dtype, field.name)))
     found: dict[str, Section] = {}
     for action in parser._actions:
         if isinstance(action, SectionHelpAction) or action.help == argparse.SUPPRESS:
@@ -52,8 +52,14 @@ def sections(parser: argparse.ArgumentParser, dataclass_types: list[type]) -> li
     return sorted(order, key=lambda s: (len(s.actions) > FULL_LISTING_LIMIT, s.title.startswith("GRPO")))
 
 
-def _declaring_section(dtype: type, name: str) -> tuple[str, str]:
-    declaring = next(c for c in reversed(dtype.__mro__) if name in c.__dict__.get("__annotations__", {}))
+def declaring_class(dtype: type, name: str) -> type:
+    """The first class in the MRO, from the base up, whose own annotations declare the field `name`:
+    the section it belongs to in `--help` and in the docs' GRPOConfig reference."""
+    return next(c for c in reversed(dtype.__mro__) if name in c.__dict__.get("__annotations__", {}))
+
+
+def section_of(declaring: type) -> tuple[str, str]:
+    """(key, title) of a declaring class's section: its `_help_section`, else one from its name."""
     section = declaring.__dict__.get("_help_section")
     if section is not None:
         return section

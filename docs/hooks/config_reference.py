@@ -13,16 +13,18 @@ import html
 import sys
 from pathlib import Path
 
-MARKER = "<!-- grpo-config-fields -->"
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # the checkout's grpo_hf, also where it is not installed
+from grpo_hf.script_help import declaring_class, section_of  # noqa: E402 (the rule --help groups by)
+
+MARKER = "<!-- grpo-config-fields -->"
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     """MkDocs event: put the generated tables where the page has the marker."""
     if MARKER not in markdown:
         return markdown
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))  # the checkout's grpo_hf, also where it is not installed
     from grpo_hf import GRPOConfig
 
     return markdown.replace(MARKER, config_reference(GRPOConfig))
@@ -38,17 +40,6 @@ def config_reference(config_class: type) -> str:
     return "\n".join(_section(owner, fields) for owner, fields in ordered)
 
 
-def declaring_class(config_class: type, name: str) -> type:
-    """The first class in the MRO, from the base up, whose own annotations declare `name`."""
-    return next(c for c in reversed(config_class.__mro__) if name in c.__dict__.get("__annotations__", {}))
-
-
-def section_title(owner: type) -> str:
-    """A section's heading: its `_help_section` title (what `--help` prints), else its class name."""
-    help_section = owner.__dict__.get("_help_section")
-    return help_section[1] if help_section else owner.__name__
-
-
 def _section(owner: type, fields: list[dataclasses.Field]) -> str:
     doc = ""
     if owner.__module__.startswith("grpo_hf"):  # the section module's first paragraph says what it holds
@@ -58,7 +49,7 @@ def _section(owner: type, fields: list[dataclasses.Field]) -> str:
     ]
     table = ["| setting | type | default | what it does |", "| --- | --- | --- | --- |", *rows]
     declared = f"Declared in `{owner.__module__}.{owner.__name__}`."
-    return "\n".join([f"## {section_title(owner)}", "", declared, " ".join(doc.split()), "", *table, ""])
+    return "\n".join([f"## {section_of(owner)[1]}", "", declared, " ".join(doc.split()), "", *table, ""])
 
 
 def _type(field: dataclasses.Field) -> str:
