@@ -27,7 +27,8 @@ from grpo_hf.config.loss_args import (
 )
 from grpo_hf.config.rollout_args import REWARD_ERROR_POLICIES, SCALE_REWARDS, RolloutArguments
 from grpo_hf.engine import native_bf16
-from grpo_hf.engine.decoding import DECODERS
+from grpo_hf.engine.decoding import DECODERS, QUANTIZED_DECODERS
+from grpo_hf.engine.quantization import ROLLOUT_QUANTIZATIONS
 
 __all__ = [
     "GENERATION_BACKENDS",
@@ -168,6 +169,18 @@ class GRPOConfig(
             "keeps the model's own dtype. Default: bfloat16 when --bf16 is set, else the model's dtype."
         },
     )
+    rollout_quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "(grpo-hf) 'int8': sample from a copy of the policy whose matmuls take int8 weights (one scale "
+            "per output channel, activations rounded per call; PyTorch's fbgemm kernel), refreshed with the "
+            "weights each round, LoRA merged first; on a CPU, with grpo-hf's decoders (generation_backend 'auto', "
+            "'llama', 'transformers', 'transformers_static'). The sampler's log-probs are the int8 model's, so "
+            "sampler/* shows the mismatch and sampler_is_cap / off_policy_mask_threshold correct for it. None "
+            "(default): the sampler multiplies in generation_dtype. With vLLM use vLLM's own quantization "
+            "(vllm_engine_kwargs)."
+        },
+    )
 
     # ---- Logging and faults ----------------------------------------------------------------------
     log_completions: bool = field(
@@ -216,6 +229,7 @@ class GRPOConfig(
         self._check_loss_settings()
         # Then the checks across sections, in this order.
         self.check_generation_settings()  # first: it resolves use_vllm, which the loss checks read
+        self._check_rollout_quantization()
         self.check_loss_combinations()
         self._resolve_generation_batch()
         self.check_async_settings()
@@ -272,6 +286,31 @@ class GRPOConfig(
             ),
         ]
         check_ranges(checks)
+
+    def _check_rollout_quantization(self) -> None:
+        """rollout_quantization: a known kind, and where its int8 kernels run (after use_vllm is resolved)."""
+        if self.rollout_quantization is None:
+            return
+        if self.rollout_quantization not in ROLLOUT_QUANTIZATIONS:
+            raise ValueError(
+                f"rollout_quantization={self.rollout_quantization!r}: use one of {ROLLOUT_QUANTIZATIONS}, or None."
+            )
+        if self.use_vllm:
+            raise ValueError(
+                "rollout_quantization quantizes grpo-hf's own sampler; vLLM quantizes with its own setting: unset "
+                "rollout_quantization and pass vllm_engine_kwargs={'quantization': 'fp8'} (colocate) or start the "
+                "server with --quantization fp8."
+            )
+        if not self.use_cpu and torch.cuda.is_available():
+            raise ValueError(
+                "rollout_quantization='int8' runs on a CPU (PyTorch's fbgemm int8 kernels), and this run trains on "
+                "a GPU: unset rollout_quantization (or use vLLM with its own quantization)."
+            )
+        if self.generation_backend not in QUANTIZED_DECODERS:
+            raise ValueError(
+                f"rollout_quantization='int8' decodes with generation_backend in {QUANTIZED_DECODERS}, not "
+                f"{self.generation_backend!r}; set generation_backend='auto' or unset rollout_quantization."
+            )
 
     def check_loss_combinations(self) -> None:
         """Errors for loss and importance-sampling settings that contradict each other, warnings for
