@@ -1,12 +1,16 @@
 """Held-out accuracy against training steps for `make train`'s recipe: still rising, or stopped?
 
     python bench/learning_curve.py --steps 100 --every 20 [--name NAME] [--core N] [--trainer trl] [-- recipe flags]
+    python bench/learning_curve.py --steps 60 --every 60 --seeds 1 2 3 --name int8 -- --rollout_quantization int8
 
 Runs `recipes/grpo.py` with its config (`make train`'s unless `--config`), a checkpoint every
 `--every` steps, the flags after `--` on top (any `GRPOConfig` or script setting, as on the
 recipe's command line); then scores every checkpoint on the task's held-out split with the recipe's
 own evaluation (its settings parsed by the recipe's parser). Prints step and accuracy and writes
-`bench/results/learning_curve-<name>.json`. `--core N` pins the run to CPU core N with one thread,
+`bench/results/learning_curve-<name>.json`. `--seeds S1 S2 ...` runs once per seed (`--seed S`
+after the other flags), each as `<name>-seed<S>` with its own results file, then writes
+`learning_curve-<name>.json` with each seed's last accuracy and their mean: a comparison of two
+settings (say int8 rollouts or not) is two such commands with the same seeds. `--core N` pins the run to CPU core N with one thread,
 so that two runs share a 2-core machine without their threads fighting: for accuracy, not timing
 (one thread changes the sums' order, so such a run samples other completions than `make train`).
 `--score-only` scores an earlier run's checkpoints again (same `--name`, flags and `--output-root`).
@@ -61,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--score-only",
         action="store_true",
         help="score the checkpoints of an earlier run of this name, no training",
+    )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="one run per seed (--seed S for the recipe)"
     )
     parser.add_argument("recipe_flags", nargs="*", help="after --: flags for recipes/grpo.py")
     args = parser.parse_args(argv)
@@ -121,8 +128,40 @@ def evaluate(recipe, settings: tuple, output_dir: Path) -> list[dict]:
     return curve
 
 
+def seed_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The runs `--seeds` asks for: each named `<name>-seed<S>`, `--seed S` after the user's flags
+    (the last flag wins); without `--seeds`, the run as given."""
+    if args.seeds is None:
+        return [args]
+    return [
+        argparse.Namespace(
+            **{
+                **vars(args),
+                "name": f"{args.name}-seed{seed}",
+                "recipe_flags": [*args.recipe_flags, "--seed", str(seed)],
+            }
+        )  # fmt: skip
+        for seed in args.seeds
+    ]
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    reports = [run(one) for one in seed_runs(args)]
+    if args.seeds is None:
+        return
+    last = {seed: report["curve"][-1]["accuracy"] if report["curve"] else None
+            for seed, report in zip(args.seeds, reports, strict=True)}  # fmt: skip
+    scored = [accuracy for accuracy in last.values() if accuracy is not None]
+    summary = {"name": args.name, "flags": args.recipe_flags, "steps": args.steps, "last_accuracy": last,
+               "mean_last_accuracy": sum(scored) / len(scored) if scored else None,
+               "runs": [f"learning_curve-{report['name']}.json" for report in reports]}  # fmt: skip
+    (RESULTS / f"learning_curve-{args.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """One run: train (unless --score-only), score its checkpoints, write and return its report."""
     output_dir = args.output_root / args.name
     recipe = load_recipe()
     settings = recipe.parse(recipe_args(args, output_dir))  # before training: a bad flag fails at once
@@ -139,6 +178,7 @@ def main(argv=None) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"learning_curve-{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "curve"}))
+    return report
 
 
 if __name__ == "__main__":

@@ -211,6 +211,18 @@ def test_learning_curve_reads_the_run_as_the_recipe_does(tmp_path):
         curve.parse_args(["--steps", "10", "--every", "20"])
 
 
+def test_learning_curve_runs_once_per_seed_with_the_same_other_flags(tmp_path):
+    curve = bench_module("learning_curve")
+    args = curve.parse_args(["--seeds", "1", "2", "--name", "int8", "--", "--seed", "9",
+                             "--rollout_quantization", "int8"])  # fmt: skip
+    runs = curve.seed_runs(args)
+    assert [run.name for run in runs] == ["int8-seed1", "int8-seed2"]
+    for seed, run in zip((1, 2), runs, strict=True):
+        _, _, config = curve.load_recipe().parse(curve.recipe_args(run, tmp_path / run.name))
+        assert (config.seed, config.rollout_quantization) == (seed, "int8")  # --seeds wins over --seed
+    assert curve.seed_runs(curve.parse_args([])) == [curve.parse_args([])]
+
+
 @pytest.mark.cpu_kind
 def test_trl_recipe_hands_trl_what_the_run_changed(tmp_path):
     trl_recipe = bench_module("trl_recipe")

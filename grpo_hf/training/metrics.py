@@ -151,7 +151,9 @@ MAXED_METRICS = frozenset(
         "sample/staleness_max",
     }
 )
-MINNED_METRICS = frozenset({"clip_ratio/low_min", "sampling/importance_sampling_ratio/min"})
+MINNED_METRICS = frozenset(
+    {"clip_ratio/low_min", "sampler/ratio_min", "sampling/importance_sampling_ratio/min"}
+)
 # Loss metrics recorded once per micro-step (`record`), not as token means: the loss before the
 # entropy bonus and MoE's router loss (means of micro-step values, as `loss` is, and as TRL logs
 # `aux_loss`) and the extremes.
@@ -180,7 +182,7 @@ class IntervalMetrics:
     of its records over the interval and the processes, NaN records left out (a metric with none
     left is not logged; TRL logs None), except the counts in COUNTED_METRICS (summed over the
     interval), the extremes in MAXED_METRICS / MINNED_METRICS, the running totals in LATEST_METRICS,
-    and token means (`record_token_means`: kl, entropy, clip_ratio/*, sampler/ratio_mean), means over
+    and token means (`record_token_means`: kl, entropy, clip_ratio/*, sampler/ratio_mean, sampler/kl), means over
     every token of the interval on every process rather than means of per-micro-batch means.
     """
 
