@@ -12,7 +12,7 @@ orchestrates. One generation round, and where each step lives:
 - rewards: `rewards.scoring`; DAPO's dynamic sampling refills the batch with teaching groups
   (`episodes.dynamic_sampling`); group advantages over every process (`algorithm.advantages`);
 - the round's loss tensors and micro-batches (`data.batches`), old / reference log-probs once
-  (`engine.logprobs`, `models.reference`);
+  (`training.logprob_passes`: per micro-batch, or in passes cut by `token_budget`);
 - `compute_loss`: log-probs of the completion tokens, then the pure `algorithm.loss.grpo_loss` with
   the masks and sampler weights of `algorithm.masks`;
 - around it (`training/`): metrics, completion logs, the adaptive entropy coefficient, checkpoints
@@ -72,7 +72,7 @@ from grpo_hf.episodes.multi_turn import recorded_episodes, trainer_tool_episodes
 from grpo_hf.episodes.rollout_func import RolloutFunc, call_rollout_func
 from grpo_hf.episodes.tools import Toolbox, check_tool_call_format
 from grpo_hf.models.policy import load_policy, model_init_kwargs, prepare_policy, reward_model_loading
-from grpo_hf.models.reference import ReferenceSync, load_reference, reference_context
+from grpo_hf.models.reference import ReferenceSync, load_reference
 from grpo_hf.rewards.reward_outputs import RewardLogs
 from grpo_hf.rewards.scoring import (
     RewardFunc,
@@ -92,6 +92,7 @@ from grpo_hf.training.checkpoints import (
 )
 from grpo_hf.training.completion_logs import CompletionLog, completion_rows
 from grpo_hf.training.entropy_control import EntropyCoefficient
+from grpo_hf.training.logprob_passes import pass_logps, round_logps
 from grpo_hf.training.metrics import IntervalMetrics, StepTimer, micro_step_values, round_metrics
 from grpo_hf.training.moe import RouterAuxLoss
 
@@ -314,6 +315,8 @@ class GRPOTrainer(Trainer):
             rows = completion_rows(scored, self.reward_func_names, self.reward_weights, advantages)
             self.completion_log.record(rows)
         batch = round_batch(scored.result, advantages, args.mask_truncated_completions)
+        if args.token_budget is not None:  # old / reference log-probs in passes cut by tokens
+            batch |= round_logps(self, batch, args.token_budget)
         parts = split_batch(batch, args.steps_per_generation if self.model.training else 1)
         counts = torch.stack([part["completion_mask"].sum() for part in parts]).float()  # (S,)
         counts = self.accelerator.gather(counts).view(self.accelerator.num_processes, -1)  # (P, S)
@@ -372,15 +375,12 @@ class GRPOTrainer(Trainer):
         return ScoredRound(result, prompts, completions, scores, errors, retried, seconds, *extras)
 
     def _complete_micro_batch(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> dict:
-        """Trim padding and add old / reference log-probs (no grad, once per round)."""
+        """Trim padding and add old / reference log-probs (no grad, once per round), one pass per
+        micro-batch unless token_budget cut the round's passes (`training.logprob_passes`)."""
         batch = trim_padding(batch, self.args.pad_to_multiple_of)
         batch["dapo_normalizer"] = normalizer
-        with torch.no_grad(), self.compute_loss_context_manager():  # the loss's precision (bf16 autocast)
-            if self.needs_old_logps():
-                batch["old_logps"] = self.completion_logps(self.model_wrapped, batch)[0]
-            if self.beta > 0:
-                with reference_context(self.model, self.ref_model) as ref:
-                    batch["ref_logps"] = self.completion_logps(ref, batch)[0]
+        if self.args.token_budget is None:
+            batch |= pass_logps(self, batch)
         return batch
 
     def completion_logps(

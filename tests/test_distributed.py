@@ -50,6 +50,7 @@ COMPARED = [
     "tools",
     "stream",
     "masks",
+    "token_budget",
 ]
 NONFINITE = ["nonfinite"]  # compared by its own test: the skipped step logs grad_norm nan or inf
 SAMPLED = [
@@ -185,6 +186,14 @@ def test_two_processes_match_one(request, single, backend, scenario):
     # gradients by their own tiny size, so its updates get a looser bound.
     assert_same_updates(one, two, rtol=1e-3 if SCENARIOS[scenario].optim.startswith("adam") else 1e-4)
     assert_same_logs(one["log"], two["log"], GLOBAL_METRICS + TOKEN_MEAN_METRICS)
+
+
+def test_token_budget_trains_as_the_micro_batch_passes(single):
+    """Old and reference log-probs in passes cut by tokens give g8_dapo's updates and KL (on 2
+    processes, with as many passes on each, test_two_processes_match_one)."""
+    plain, budgeted = load_run(single / "g8_dapo"), load_run(single / "token_budget")
+    assert_same_updates(plain, budgeted, rtol=1e-4)
+    assert_same_logs(plain["log"], budgeted["log"], ["kl"])
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -169,6 +169,17 @@ class GRPOConfig(
             "keeps the model's own dtype. Default: bfloat16 when --bf16 is set, else the model's dtype."
         },
     )
+    token_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": "(TRL's async name) The most tokens (prompt and completion of each row) one process puts "
+            "through one old or reference log-prob pass: a generation round's rows go through in runs of "
+            "consecutive rows up to this many tokens, across micro-batches, the same number of passes on every "
+            "process (a row longer than the budget is a pass of its own). Bounds those passes' memory and lets "
+            "short completions share a pass; the values are the per-micro-batch ones. None (default) or <= 0: one "
+            "pass per micro-batch."
+        },
+    )
     rollout_quantization: str | None = field(
         default=None,
         metadata={
@@ -265,6 +276,8 @@ class GRPOConfig(
     def _check_own_settings(self) -> None:
         """The settings declared in this file: model loading, speed, logging and faults."""
         check_choices(self, (("generation_backend", GENERATION_BACKENDS),))
+        if self.token_budget is not None and self.token_budget <= 0:  # TRL's "<= 0 disables"
+            self.token_budget = None
         if self.generation_dtype not in (None, "bfloat16", "float16", "float32"):
             raise ValueError(
                 f"generation_dtype={self.generation_dtype!r}: use 'bfloat16', 'float16' or 'float32'."
