@@ -52,6 +52,9 @@ COMPARED = [
     "masks",
     "token_budget",
 ]
+# Scenarios DeepSpeed refuses (a token_budget cuts a micro-step's policy pass into several backward
+# passes; its engine takes one): not launched under the zero backends.
+NOT_ON_DEEPSPEED = ["token_budget"]
 NONFINITE = ["nonfinite"]  # compared by its own test: the skipped step logs grad_norm nan or inf
 SAMPLED = [
     "sampled",
@@ -125,7 +128,10 @@ def backend_runs(backend: str):
     @pytest.fixture(scope="module")
     def runs(tmp_path_factory) -> Path:
         output = tmp_path_factory.mktemp(backend)
-        launch(output, COMPARED + SAMPLED + NONFINITE, BACKENDS[backend])
+        scenarios = COMPARED + SAMPLED + NONFINITE
+        if backend.startswith("zero"):
+            scenarios = [name for name in scenarios if name not in NOT_ON_DEEPSPEED]
+        launch(output, scenarios, BACKENDS[backend])
         return output
 
     return runs
@@ -175,6 +181,8 @@ def assert_same_logs(one: list[dict], two: list[dict], keys: list[str]) -> None:
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("scenario", COMPARED)
 def test_two_processes_match_one(request, single, backend, scenario):
+    if backend.startswith("zero") and scenario in NOT_ON_DEEPSPEED:
+        pytest.skip("DeepSpeed refuses it (tests/test_token_budget.py)")
     one = load_run(single / scenario)
     two = load_run(request.getfixturevalue(backend) / scenario)
     assert two["info"]["num_processes"] == 2

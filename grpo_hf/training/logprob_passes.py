@@ -1,5 +1,8 @@
-"""The no-grad log-prob passes of a generation round: old log-probs (where the policy moves within
-the round) and reference log-probs (beta > 0), computed once per round, before the loss.
+"""The log-prob passes of a generation round, and how `token_budget` cuts them by tokens.
+
+Old log-probs (where the policy moves within the round) and reference log-probs (beta > 0) are
+computed once per round, without gradient, before the loss; the policy's, with gradient, in the
+loss of each micro-step.
 
 Without `token_budget` each micro-batch is one pass. With it the passes are cut by tokens, not
 rows (verl's `log_prob_max_token_len_per_gpu`, TRL's async `token_budget`): this process's rows of
@@ -12,6 +15,18 @@ most, each process cutting its rows into that many with the least largest pass
 distinct prompt runs once, completions see only their own prompt and tokens), so they equal the
 per-micro-batch ones up to float rounding; short completions then share a pass instead of each
 micro-batch paying for one.
+
+The policy pass of a micro-step is cut the same way within its micro-batch (`policy_passes`; the
+Trainer's micro-steps and optimizer steps are unchanged): runs of consecutive rows of at most
+`token_budget` tokens, each forward and backward on its own (the trainer's `compute_loss` takes
+the backward of all but the last), as many on every process for each micro-step. Each pass's
+loss divides by the whole micro-batch's rows or loss tokens where its loss type takes a
+per-micro-batch mean (`loss.aggregate`'s `batch_rows` / `batch_tokens`; DAPO's normaliser and
+the entropy bonus's are the optimizer step's already), so the passes' losses and gradients add up
+to the micro-batch's. That bounds the memory a micro-step's activations take by the budget rather
+than by per_device_train_batch_size x the longest completion. Not with DeepSpeed (its engine
+takes one backward per micro-step), the high-entropy mask (its quantile is over the whole
+micro-batch) or a MoE router loss (not a sum over rows).
 """
 
 import torch
@@ -48,3 +63,53 @@ def round_logps(trainer, batch: dict[str, torch.Tensor], token_budget: int) -> d
             target = out.setdefault(name, logps.new_zeros(batch["completion_mask"].shape))  # (B, C)
             target[rows, : logps.shape[1]] = logps
     return out
+
+
+def check_policy_passes(args, deepspeed: bool, router_aux_coef: float) -> None:
+    """With a token_budget, which cuts a micro-batch's policy pass: refuse what must see it whole."""
+    if args.token_budget is None:
+        return
+    if deepspeed:
+        raise ValueError(
+            "token_budget cuts a micro-step's policy pass into several backward passes, and DeepSpeed's engine "
+            "takes one backward per micro-step: unset token_budget (lower per_device_train_batch_size to bound "
+            "memory) or train without DeepSpeed."
+        )
+    if args.top_entropy_quantile < 1.0 or router_aux_coef != 0.0:
+        raise ValueError(
+            "token_budget cuts a micro-step's policy pass by tokens, and the high-entropy mask's quantile "
+            "(top_entropy_quantile < 1) or a MoE router loss (router_aux_loss_coef) is taken over the whole "
+            "micro-batch: unset token_budget, or set top_entropy_quantile=1.0 and router_aux_loss_coef=0."
+        )
+
+
+def add_policy_passes(trainer, parts: list[dict[str, torch.Tensor]], token_budget: int) -> None:
+    """Give each micro-batch whose policy pass needs cutting its cut: `pass_ends`, (k,) the end row of
+    each of its k passes, k the fewest that fit the budget on the process that needs most."""
+    tokens = [part["attention_mask"].sum(dim=1).tolist() for part in parts]  # (S, rows) per micro-batch
+    local = torch.tensor([budget_passes(row_tokens, token_budget) for row_tokens in tokens])  # (S,)
+    counts = trainer.accelerator.gather(local.to(trainer.accelerator.device)).view(-1, len(parts))  # (P, S)
+    for part, row_tokens, passes in zip(parts, tokens, counts.max(dim=0).values.tolist(), strict=True):
+        if passes > 1:
+            ends = [rows.stop for rows in rows_in_passes(row_tokens, passes)]
+            part["pass_ends"] = torch.tensor(ends, device=part["attention_mask"].device)
+
+
+def policy_passes(batch: dict[str, torch.Tensor], multiple: int | None) -> list[dict]:
+    """The micro-batch's policy passes: the micro-batch itself, or with `pass_ends` its runs of rows,
+    each trimmed of padding (`pad_to_multiple_of`: `multiple`) and carrying the micro-batch's rows
+    and loss tokens (`batch_rows`, `batch_tokens`) for the loss's denominators."""
+    if "pass_ends" not in batch:
+        return [batch]
+    mask = batch["completion_mask"]  # (B, C)
+    whole = {"batch_rows": mask.shape[0], "batch_tokens": mask.sum()}
+    ends = batch["pass_ends"].tolist()
+    passes = []
+    for start, end in zip([0, *ends[:-1]], ends, strict=True):
+        rows = {
+            key: value[start:end] if value.dim() else value
+            for key, value in batch.items()
+            if key != "pass_ends"
+        }
+        passes.append(trim_padding(rows, multiple) | whole)
+    return passes
