@@ -173,11 +173,13 @@ class GRPOConfig(
         default=None,
         metadata={
             "help": "(TRL's async name) The most tokens (prompt and completion of each row) one process puts "
-            "through one old or reference log-prob pass: a generation round's rows go through in runs of "
-            "consecutive rows up to this many tokens, across micro-batches, the same number of passes on every "
-            "process (a row longer than the budget is a pass of its own). Bounds those passes' memory and lets "
-            "short completions share a pass; the values are the per-micro-batch ones. None (default) or <= 0: one "
-            "pass per micro-batch."
+            "through one log-prob pass. The old and reference passes take a generation round's rows in runs of "
+            "consecutive rows up to this many tokens, across micro-batches; a micro-step's policy pass takes its "
+            "micro-batch's rows so, one forward and backward per run, the loss of each divided as the whole "
+            "micro-batch's. The same number of passes on every process; a row longer than the budget is a pass "
+            "of its own. Bounds the passes' memory by tokens; results and gradients are the per-micro-batch ones "
+            "(micro-batches and optimizer steps unchanged). Not with DeepSpeed, top_entropy_quantile < 1 or a "
+            "MoE router loss. None (default) or <= 0: one pass per micro-batch."
         },
     )
     rollout_quantization: str | None = field(
