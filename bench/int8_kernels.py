@@ -1,7 +1,7 @@
 """The int8 matmul paths PyTorch (and torchao, where installed) offer on a CPU, against the float
 ones decoding runs today, on a decoding step's shapes: what `engine.quantization` was chosen from.
 
-    python bench/int8_kernels.py            # about a minute; writes bench/results/int8_kernels.json
+    python bench/int8_kernels.py            # a few minutes; writes bench/results/int8_kernels.json
     python bench/int8_kernels.py --repeats 400 --threads 2
 
 Shapes (rows x in -> out, SmolLM2-135M at decoding's 16 rows): the LM head 16 x 576 -> 49,152,
@@ -19,6 +19,12 @@ the MLP's gate/up 16 x 576 -> 3,072 and down 16 x 1,536 -> 576, and a prefill's 
   where torchao imports.
 The paths alternate within each repeat; each figure is the median (and the minimum, the least
 disturbed run on a shared machine) of its repeats, in ms per call.
+
+Then what each `rollout_quantization` does to the sampler (`sampler_kl`): the default model
+(float32, as the policy) and its generation copy (bf16 where this CPU multiplies bf16 natively, else
+float32; then int8 or int8_weight_only on top) decode the same 24 tokens after the same prompts
+(16 rows: 2 arithmetic prompts x 8, tokens drawn from the policy), and the mean per-token
+KL(policy || copy) of the next-token distributions is printed, prefill's first token apart.
 """
 
 import argparse
@@ -32,8 +38,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from grpo_hf.engine.cpu import BlockedLinear, blocked_matmul_supported
-from grpo_hf.engine.quantization import Int8Matmul, int8_kernel_supported, quantize_per_channel
+from grpo_hf.engine.cpu import BlockedLinear, blocked_matmul_supported, native_bf16
+from grpo_hf.engine.decoding import LlamaDecoder
+from grpo_hf.engine.generation_copy import GenerationCopy
+from grpo_hf.engine.quantization import (
+    ROLLOUT_QUANTIZATIONS,
+    Int8Matmul,
+    int8_kernel_supported,
+    quantize_per_channel,
+)
+from grpo_hf.models.loading import DEFAULT_MODEL, load_model, load_tokenizer
 
 SHAPES = {
     "LM head 16x576->49152": (16, 576, 49152),
@@ -108,6 +122,38 @@ def measure(shape: tuple[int, int, int], repeats: int) -> dict[str, dict[str, fl
     return {name: {"median_ms": statistics.median(t), "min_ms": min(t)} for name, t in times.items()}
 
 
+@torch.no_grad()
+def sampler_kl(steps: int = 24) -> dict[str, dict[str, float]]:
+    """Per-token KL(policy || sampler) of each generation copy's next-token distributions: at the first
+    new token (after the prompt's prefill) and the mean over the decoding steps after it."""
+    model = load_model(DEFAULT_MODEL).eval().requires_grad_(False)
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    prompts = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((12, 35), (7, 44))]
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True)
+    ids, mask = (encoded[key].repeat_interleave(8, dim=0) for key in ("input_ids", "attention_mask"))
+    dtype = torch.bfloat16 if native_bf16() else torch.float32
+    results = {}
+    for kind in (None, *ROLLOUT_QUANTIZATIONS):
+        torch.manual_seed(0)
+        policy, sampler = (
+            LlamaDecoder(model, steps),
+            LlamaDecoder(GenerationCopy(model, dtype, quantization=kind).model, steps),
+        )
+        expected, got = policy.prefill(ids, mask), sampler.prefill(ids, mask)
+        kls = []
+        for _ in range(steps):
+            p, q = torch.log_softmax(expected, dim=-1), torch.log_softmax(got, dim=-1)  # (16, V)
+            kls.append((p.exp() * (p - q)).sum(dim=-1).mean().item())
+            token = torch.multinomial(p.exp(), 1).squeeze(1)  # (16,)
+            expected, got = policy(token), sampler(token)
+        results[f"{dtype} copy" + (f", {kind}" if kind else "")] = {
+            "first_token_kl": kls[0],
+            "decoding_kl": statistics.mean(kls[1:]),
+        }
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=100)
@@ -121,6 +167,10 @@ def main() -> None:
         print(name)
         for path, figure in sorted(figures.items(), key=lambda item: item[1]["median_ms"]):
             print(f"  {path:26s} median {figure['median_ms']:8.3f} ms   min {figure['min_ms']:8.3f} ms")
+    results["sampler_kl"] = sampler_kl()
+    print("KL(policy || sampler) per token, the default model (float32 policy):")
+    for name, kl in results["sampler_kl"].items():
+        print(f"  {name:32s} first token {kl['first_token_kl']:.4f}   decoding {kl['decoding_kl']:.4f}")
     results["threads"] = args.threads
     results["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     results["vnni"] = torch.cpu._is_vnni_supported()

@@ -15,7 +15,13 @@ from grpo_hf.engine import quantization
 from grpo_hf.engine.decoding import LlamaDecoder, decoder_for
 from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.model_forward import TransformersDecoder
-from grpo_hf.engine.quantization import Int8Matmul, QuantizedLinear, quantize_linears, quantize_per_channel
+from grpo_hf.engine.quantization import (
+    Int8Matmul,
+    Int8WeightOnlyMatmul,
+    QuantizedLinear,
+    quantize_linears,
+    quantize_per_channel,
+)
 
 
 @pytest.fixture(params=["kernel", "fallback"])
@@ -39,6 +45,27 @@ def test_per_channel_scales_by_hand():
     assert q.tolist() == [[127, -64, 0], [0, 0, 0], [-127, 50, 1]]
 
 
+@torch.no_grad()
+def test_weight_only_decodes_as_the_float_model_on_rounded_weights():
+    """'int8_weight_only' is the float decoder on weights rounded per channel, nothing else: the same
+    logits as a float copy whose every matmul weight was replaced by q * scale, at every step."""
+    model = llama_with_rope_scaling().eval().requires_grad_(False)
+    quantized = quantize_linears(copy.deepcopy(model), "int8_weight_only")
+    rounded = copy.deepcopy(model)
+    for module in rounded.modules():
+        if type(module) is torch.nn.Linear:
+            q, scale = quantize_per_channel(module.weight)
+            module.weight = torch.nn.Parameter(q.float() * scale[:, None], requires_grad=False)
+    ids, mask = prompts()
+    for build in (lambda m: LlamaDecoder(m, 4), TransformersDecoder):
+        ours, theirs = build(quantized), build(rounded)
+        torch.testing.assert_close(ours.prefill(ids, mask), theirs.prefill(ids, mask), rtol=1e-5, atol=1e-5)
+        token = torch.tensor([5, 6, 7, 8])
+        torch.testing.assert_close(ours(token), theirs(token), rtol=1e-5, atol=1e-5)
+    unrounded = LlamaDecoder(model, 4).prefill(ids, mask)
+    assert not torch.allclose(LlamaDecoder(quantized, 4).prefill(ids, mask), unrounded, atol=1e-3)
+
+
 def test_int8_matmul_multiplies_by_the_rounded_weight(int8_path):
     """Both paths give x @ (q * scale).T: exactly up to float rounding where activations stay float
     (fallback), within the 7-bit activation rounding's error on the kernel."""
@@ -52,7 +79,8 @@ def test_int8_matmul_multiplies_by_the_rounded_weight(int8_path):
     # the product's largest entry.
     tolerance = 1e-5 if int8_path == "fallback" else 0.015 * expected.abs().max().item()
     torch.testing.assert_close(got, expected, rtol=0, atol=tolerance)
-    assert Int8Matmul(weight)(x.bfloat16()).dtype == torch.bfloat16
+    torch.testing.assert_close(Int8WeightOnlyMatmul(weight)(x), expected, rtol=0, atol=1e-5)  # x as it is
+    assert Int8Matmul(weight.bfloat16())(x.bfloat16()).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("build", [tiny_llama, llama_with_rope_scaling], ids=["llama", "llama3-rope-gqa"])
@@ -151,8 +179,9 @@ def test_a_float32_lm_head_stays_float():
     ],
 )
 def test_settings_int8_rollouts_cannot_run_with_are_refused(tmp_path, overrides, named):
-    with pytest.raises(ValueError, match=named):
-        make_config(tmp_path, rollout_quantization="int8", **overrides)
+    for kind in ("int8", "int8_weight_only"):
+        with pytest.raises(ValueError, match=named):
+            make_config(tmp_path, rollout_quantization=kind, **overrides)
     with pytest.raises(ValueError, match="rollout_quantization"):
         make_config(tmp_path, rollout_quantization="fp4")
 
@@ -165,15 +194,17 @@ def test_int8_rollouts_are_refused_on_a_gpu(tmp_path, monkeypatch):
         args._check_rollout_quantization()
 
 
-def test_training_samples_from_the_int8_copy_and_logs_the_mismatch(tmp_path, int8_path):
+@pytest.mark.parametrize("kind", ["int8", "int8_weight_only"])
+def test_training_samples_from_the_int8_copy_and_logs_the_mismatch(tmp_path, int8_path, kind):
     trainer = GRPOTrainer(
         model=tiny_llama(),
         reward_funcs=length_reward,
-        args=make_config(tmp_path, rollout_quantization="int8", max_steps=1),
+        args=make_config(tmp_path, rollout_quantization=kind, max_steps=1),
         train_dataset=chat_dataset(),
         processing_class=tiny_tokenizer(),
     )
-    assert quantization.is_quantized(trainer.generator.copy.model)
+    layer = trainer.generator.copy.model.model.layers[0].self_attn.q_proj
+    assert layer.int8_matmul is quantization.MATMULS[kind]
     trainer.train()
     logged = trainer.state.log_history[0]
     assert logged["sampling/sampling_logp_difference/max"] > 0  # int8 sampler != float policy

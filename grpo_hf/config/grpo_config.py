@@ -185,12 +185,15 @@ class GRPOConfig(
     rollout_quantization: str | None = field(
         default=None,
         metadata={
-            "help": "(grpo-hf) 'int8': sample from a copy of the policy whose matmuls take int8 weights (one scale "
-            "per output channel, activations rounded per call; PyTorch's fbgemm kernel), refreshed with the "
-            "weights each round, LoRA merged first; on a CPU, with grpo-hf's decoders (generation_backend 'auto', "
-            "'llama', 'transformers', 'transformers_static'). The sampler's log-probs are the int8 model's, so "
-            "sampler/* shows the mismatch and sampler_is_cap / off_policy_mask_threshold correct for it. None "
-            "(default): the sampler multiplies in generation_dtype. With vLLM use vLLM's own quantization "
+            "help": "(grpo-hf) Sample from a copy of the policy whose matmuls take int8 weights (one scale per "
+            "output channel), refreshed with the weights each round, LoRA merged first; on a CPU, with "
+            "generation_backend 'auto', 'llama', 'transformers' or 'transformers_static'. 'int8': activations "
+            "rounded to int8 at each call too (PyTorch's fbgemm dynamic int8 linear): the fast one, and far from "
+            "the policy on SmolLM2-135M (bench/int8_kernels.py: per-token KL 0.28 against bf16's 0.001). "
+            "'int8_weight_only': activations as they are, the weights' rounding alone (KL 0.005), at the copy's "
+            "own speed (PyTorch has no faster CPU kernel for it). The sampler's log-probs are the quantized "
+            "copy's, so sampler/* shows the mismatch and sampler_is_cap / off_policy_mask_threshold correct for "
+            "it. None (default): the copy multiplies in generation_dtype. With vLLM use vLLM's own quantization "
             "(vllm_engine_kwargs)."
         },
     )
@@ -318,12 +321,13 @@ class GRPOConfig(
             )
         if not self.use_cpu and torch.cuda.is_available():
             raise ValueError(
-                "rollout_quantization='int8' runs on a CPU (PyTorch's fbgemm int8 kernels), and this run trains on "
-                "a GPU: unset rollout_quantization (or use vLLM with its own quantization)."
+                f"rollout_quantization={self.rollout_quantization!r} runs on a CPU (PyTorch's fbgemm int8 kernels), "
+                "and this run trains on a GPU: unset rollout_quantization (or use vLLM with its own quantization)."
             )
         if self.generation_backend not in QUANTIZED_DECODERS:
             raise ValueError(
-                f"rollout_quantization='int8' decodes with generation_backend in {QUANTIZED_DECODERS}, not "
+                f"rollout_quantization={self.rollout_quantization!r} decodes with generation_backend in "
+                f"{QUANTIZED_DECODERS}, not "
                 f"{self.generation_backend!r}; set generation_backend='auto' or unset rollout_quantization."
             )
 

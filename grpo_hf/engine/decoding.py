@@ -41,7 +41,7 @@ from grpo_hf.engine.model_forward import (
     static_cache_problem,
     whole_local_weights,
 )
-from grpo_hf.engine.quantization import Int8Matmul, QuantizedLinear, is_quantized
+from grpo_hf.engine.quantization import is_quantized
 
 
 def is_plain_llama(model: nn.Module) -> bool:
@@ -109,12 +109,11 @@ def _matmul_weights(model: nn.Module, head: torch.Tensor) -> list[tuple[torch.Te
 
 
 def _matmul_makers(model: nn.Module, groups: int) -> list[type]:
-    """How each of the `groups` matmuls of `_matmul_weights` multiplies: in int8 (`Int8Matmul`) where
-    `quantization.quantize_linears` quantized its layer (a float32 LM head stays float), else on
+    """How each of the `groups` matmuls of `_matmul_weights` multiplies: as its layer's `int8_matmul`
+    where `quantization.quantize_linears` quantized it (a float32 LM head stays float), else on
     oneDNN's blocked weights (`BlockedLinear`)."""
-    layers = isinstance(model.model.layers[0].self_attn.q_proj, QuantizedLinear)
-    head = isinstance(model.lm_head, QuantizedLinear)
-    return [Int8Matmul if layers else BlockedLinear] * (groups - 1) + [Int8Matmul if head else BlockedLinear]
+    layers = getattr(model.model.layers[0].self_attn.q_proj, "int8_matmul", BlockedLinear)
+    return [layers] * (groups - 1) + [getattr(model.lm_head, "int8_matmul", BlockedLinear)]
 
 
 class LlamaDecoder:

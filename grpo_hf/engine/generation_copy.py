@@ -105,8 +105,8 @@ class GenerationCopy:
     ):
         """`decode_attention`: one query token's attention in float32 (`decode_attention`) for our
         decoding loop; False keeps the model's own (transformers' continuous batching needs it).
-        `quantization` ('int8', `rollout_quantization`): the copy's matmuls take its weights in int8
-        (`quantization.quantize_linears`), rounded again after each `refresh`."""
+        `quantization` (`rollout_quantization`: 'int8', 'int8_weight_only'): the copy's matmuls take
+        its weights in int8 (`quantization.quantize_linears`), rounded again after each `refresh`."""
         self.policy = policy
         self._peft = is_peft_model(policy)
         self.model = copy.deepcopy(policy).merge_and_unload() if self._peft else copy.deepcopy(policy)
@@ -116,7 +116,7 @@ class GenerationCopy:
             if isinstance(module, Float32Head) and module.weight is not embedding:
                 module.float()
         if quantization is not None:
-            quantize_linears(self.model)
+            quantize_linears(self.model, quantization)
         if decode_attention and getattr(self.model, "_supports_attention_backend", False):
             self.model.set_attn_implementation(DECODE_ATTENTION)
         self._targets = dict(self.model.named_parameters())

@@ -1,22 +1,28 @@
-"""Low-precision rollouts: the sampler's matmuls on int8 weights (`rollout_quantization='int8'`).
+"""Low-precision rollouts: the sampler's matmuls on int8 weights (`rollout_quantization`).
 
 Decoding a few rows at a time reads every weight once per token, so a step costs about what its
 weights weigh: int8 weights are half the bytes of bf16 ones and a quarter of float32 ones. Each
 weight is rounded per output channel (row): scale = max |w_row| / 127, q = round(w / scale) in
-[-127, 127], w ~ q * scale. The product takes PyTorch's dynamic int8 linear
-(`torch.ops.quantized.linear_dynamic`, fbgemm: activations rounded to uint8 at each call with one
-scale per call, int32 accumulation, the weight scales applied on the way out). Measured against
-the other int8 paths PyTorch 2.13 and torchao 0.18 offer on this project's shapes
-(`bench/int8_kernels.py`; 2 threads, AVX-512-BF16 + VNNI EPYC, loaded machine, best of 200):
-the LM head's 16 x 576 -> 49,152 took 2.1 ms against 7.4 ms for the bf16 matmul on oneDNN's
-blocked weights that decoding runs today; `aten._weight_int8pack_mm` (int8 weights, bf16
-activations) ~30 ms, torchao's `Int8DynamicActivationInt8WeightConfig` ~100 ms on a CPU.
-Activations use 7 bits (`reduce_range`, as `quantize_dynamic` does on x86): without VNNI
-(AVX2) fbgemm's 8-bit products can saturate its 16-bit sums.
+[-127, 127], w ~ q * scale. Two kinds:
 
-Where that kernel is missing (a build without fbgemm, an ARM CPU) or misbehaves, `Int8Matmul`
-falls back to a float matmul on the dequantized weights (q * scale in the weights' dtype): the
-same rounded weights, float activations, no gain in speed.
+- 'int8' (`Int8Matmul`): PyTorch's dynamic int8 linear (`torch.ops.quantized.linear_dynamic`,
+  fbgemm): the activations rounded to 7-bit integers at each call, one scale per call (over all
+  its rows), int32 sums, the weight scales applied on the way out. 7 bits (`reduce_range`, as
+  `quantize_dynamic` does on x86): without VNNI (AVX2) fbgemm's 8-bit products can saturate its
+  16-bit sums. The fastest int8 path PyTorch 2.13 and torchao 0.18 offer on a CPU
+  (`bench/int8_kernels.py`; 2 threads, AVX-512-BF16 + VNNI EPYC, loaded machine, best of 30):
+  the LM head's 16 x 576 -> 49,152 took 2.1 ms against 8.0 ms for the bf16 product on oneDNN's
+  blocked weights that decoding runs today; `aten._weight_int8pack_mm` (int8 weights, bf16
+  activations) 32 ms, `torch._int_mm` with per-row activations 12 ms, torchao's
+  `Int8DynamicActivationInt8WeightConfig` 105 ms. But rounding the activations moves the sampler
+  far from the policy on SmolLM2-135M, whose activations have outlier channels: per-token
+  KL(policy || sampler) over decoding steps 0.28, against 0.001 for the bf16 copy (the same script).
+- 'int8_weight_only' (`Int8WeightOnlyMatmul`): the weights' rounding alone (KL 0.005), multiplied
+  in the copy's dtype by the dequantized weights: an int8 weight-only sampler's precision at the
+  copy's own speed, since PyTorch's weight-only kernel is slower than that.
+
+Where fbgemm is missing (a build without it, an ARM CPU) or misbehaves, 'int8' falls back to
+'int8_weight_only''s product. Only this AVX-512 CPU with VNNI was measured; fbgemm has AVX2 kernels.
 
 The sampler's log-probs come from the quantized model, so the loss's importance weights against
 the sampler (`sampler_is_cap`, `off_policy_mask_threshold`) and the `sampler/*` metrics see the
@@ -33,10 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from grpo_hf.engine.cpu import weights_stamp
+from grpo_hf.engine.cpu import BlockedLinear, weights_stamp
 from grpo_hf.models.policy import Float32Head
 
-ROLLOUT_QUANTIZATIONS = ("int8",)
 INT8_MAX = 127
 
 
@@ -79,39 +84,58 @@ def int8_kernel_supported() -> bool:
 
 
 class Int8Matmul:
-    """x (rows, in) -> x @ W.T for a fixed (out, in) weight W held in int8 with per-channel scales.
+    """x (rows, in) -> x @ W.T for a fixed (out, in) weight W held in int8 with per-channel scales,
+    x rounded to int8 at each call (`rollout_quantization='int8'`).
 
-    On PyTorch's dynamic int8 linear where it runs (`int8_kernel_supported`); elsewhere on the
-    dequantized weight in W's dtype. The result has x's dtype. CPU only.
+    On PyTorch's dynamic int8 linear where it runs (`int8_kernel_supported`); elsewhere x stays as it
+    is, multiplied in W's dtype by the dequantized weight (on oneDNN's blocked layout where it can,
+    `cpu.BlockedLinear`, sized for `rows`). The result has x's dtype. CPU only.
     """
 
-    def __init__(self, weight: torch.Tensor, rows: int = 0):
-        """`rows` is unused: the signature of `cpu.BlockedLinear`, which `cpu.BlockedWeights` builds."""
+    rounds_activations = True
+
+    def __init__(self, weight: torch.Tensor, rows: int = 1):
         if weight.device.type != "cpu":
             raise ValueError(
-                f"rollout_quantization='int8' runs on a CPU; this weight is on {weight.device.type}. Unset "
+                f"rollout_quantization runs on a CPU; this weight is on {weight.device.type}. Unset "
                 "rollout_quantization."
             )
         q, scale = quantize_per_channel(weight)
-        self.fast = int8_kernel_supported()
-        self.weight = _prepacked(q, scale) if self.fast else (q.float() * scale[:, None]).to(weight.dtype)
+        self.fast = self.rounds_activations and int8_kernel_supported()
+        if self.fast:
+            self.weight = _prepacked(q, scale)
+        else:
+            self.linear = BlockedLinear((q.float() * scale[:, None]).to(weight.dtype), rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast:
             return torch.ops.quantized.linear_dynamic(x.float(), self.weight, True).to(x.dtype)
-        return F.linear(x, self.weight.to(x.dtype))  # a no-op in the copy, whose weights have its dtype
+        return self.linear(x)
+
+
+class Int8WeightOnlyMatmul(Int8Matmul):
+    """x @ W.T with W rounded to int8 per channel and x as it is (`rollout_quantization=
+    'int8_weight_only'`): an int8 weight-only sampler's precision, multiplied in W's dtype by the
+    dequantized weight, so at the speed of the unquantized copy. PyTorch 2.13's int8 weight-only CPU
+    kernel, `aten._weight_int8pack_mm`, took 2 to 4 times as long as the bf16 product on blocked
+    weights on decoding's shapes (`bench/int8_kernels.py`), so it is not used."""
+
+    rounds_activations = False
 
 
 class _Int8Forward:
-    """The forward of a quantized layer: its (out, in) weight as an `Int8Matmul`, made again when
-    the weight changed, then the bias in float."""
+    """The forward of a quantized layer: its (out, in) weight as its `int8_matmul` (`Int8Matmul` or
+    `Int8WeightOnlyMatmul`, set by `quantize_linears`), made again when the weight changed, then the
+    bias in float."""
+
+    int8_matmul: type[Int8Matmul] = Int8Matmul
 
     def _int8_product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         stamp = weights_stamp((self.weight,))
         cached = getattr(self, "_int8", None)
         # A weight that requires grad may be written without a version bump (fused AdamW): rounded anew.
         if cached is None or cached[0] != stamp or self.weight.requires_grad:
-            cached = self._int8 = (stamp, Int8Matmul(weight))
+            cached = self._int8 = (stamp, self.int8_matmul(weight))
         out = cached[1](x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)  # (..., out)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
@@ -130,15 +154,20 @@ class QuantizedConv1D(_Int8Forward, Conv1D):
         return self._int8_product(x, self.weight.t())
 
 
-def quantize_linears(model: nn.Module) -> nn.Module:
-    """Turn `model`'s `nn.Linear` and `Conv1D` layers into `QuantizedLinear` / `QuantizedConv1D`, in
-    place (same parameters, ties kept). A float32 LM head (`cast_lm_head_to_fp32`) stays as it is:
-    it was asked for in float32."""
+MATMULS = {"int8": Int8Matmul, "int8_weight_only": Int8WeightOnlyMatmul}  # by rollout_quantization
+ROLLOUT_QUANTIZATIONS = tuple(MATMULS)
+
+
+def quantize_linears(model: nn.Module, quantization: str = "int8") -> nn.Module:
+    """Turn `model`'s `nn.Linear` and `Conv1D` layers into `QuantizedLinear` / `QuantizedConv1D`
+    multiplying as `quantization` says (a key of `MATMULS`), in place (same parameters, ties kept).
+    A float32 LM head (`cast_lm_head_to_fp32`) stays as it is: it was asked for in float32."""
     kinds = {nn.Linear: QuantizedLinear, Conv1D: QuantizedConv1D}
     for module in model.modules():
         kind = kinds.get(type(module))
         if kind is not None and not isinstance(module, Float32Head):
             module.__class__ = kind
+            module.int8_matmul = MATMULS[quantization]
     return model
 
 
