@@ -32,6 +32,33 @@ def test_auto_precisions_skip_bf16_where_it_is_emulated(native, monkeypatch):
     assert (named.ours_precisions, named.trl_precisions, named.skipped) == (["bf16"], ["bf16", "fp32"], [])
 
 
+def test_ours_int8_runs_at_our_precisions_and_is_scored_on_its_own(monkeypatch):
+    run, worker = bench_module("run"), bench_module("worker")
+    monkeypatch.setattr(run, "native_bf16", lambda: False)
+    args = run.parse_args(["--sides", "ours,ours-int8,trl", "--rounds", "2"])
+    assert args.skipped == ["ours_bf16", "ours-int8_bf16", "trl_bf16"]
+    one_round = [("ours", "fp32"), ("ours-int8", "fp32"), ("trl", "fp32")]
+    assert run.runs(args) == one_round + one_round[::-1]
+    assert (
+        worker.parse_args(["--side", "ours-int8", "--precision", "fp32", "--output", "x"]).side == "ours-int8"
+    )
+    assert worker.OUR_SIDES["ours-int8"] == {"rollout_quantization": "int8"}
+    timing = {"seconds_per_1k_completion_tokens": 1.0}
+    results = {
+        "ours_fp32": {"side": "ours", "median_step_seconds": 4.0, **timing},
+        "ours-int8_fp32": {"side": "ours-int8", "median_step_seconds": 2.0, **timing},
+        "trl_fp32": {"side": "trl", "median_step_seconds": 10.0, **timing},
+    }
+    summary = run.summarize(results)
+    assert (summary["ratio_trl_over_ours"], summary["meets_goal"]) == (2.5, False)
+    assert (summary["ours_int8"], summary["ratio_trl_over_ours_int8"], summary["meets_goal_int8"]) == (
+        "ours-int8_fp32",
+        5.0,
+        True,
+    )
+    assert "ratio_trl_over_ours_int8" not in run.summarize({k: results[k] for k in ("ours_fp32", "trl_fp32")})
+
+
 @pytest.mark.slow
 def test_bench_runs_our_side_and_writes_every_field(tmp_path):
     output = tmp_path / "latest.json"
