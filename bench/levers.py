@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 
-from grpo_hf.data.batches import budget_passes, rows_in_passes
+from grpo_hf.data.token_budget import budget_passes, rows_in_passes
 from grpo_hf.engine import logprobs, packing
 from grpo_hf.engine.attention import grouped_attention
 from grpo_hf.engine.cpu import BlockedLinear, native_bf16

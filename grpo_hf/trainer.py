@@ -309,7 +309,8 @@ class GRPOTrainer(Trainer):
             rows = completion_rows(scored, self.reward_func_names, self.reward_weights, advantages)
             self.completion_log.record(rows)
         batch = batches.round_batch(scored.result, advantages, args.mask_truncated_completions)
-        if args.token_budget is not None:  # old / reference log-probs in passes cut by tokens
+        if args.token_budget is not None:  # rows dealt to processes, old / reference passes cut, by tokens
+            batch = passes.balanced_round(self, batch)
             batch |= passes.round_logps(self, batch, args.token_budget)
         parts = batches.split_batch(batch, args.steps_per_generation if self.model.training else 1)
         counts = torch.stack([part["completion_mask"].sum() for part in parts]).float()  # (S,)

@@ -7,7 +7,7 @@ from tiny_models import tiny_llama, tiny_tokenizer
 from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward, make_config
 
 from grpo_hf.algorithm.loss import aggregate
-from grpo_hf.data.batches import budget_passes, rows_in_passes
+from grpo_hf.data.token_budget import balance_rows, budget_passes, rows_in_passes
 from grpo_hf.training.logprob_passes import check_policy_passes
 from grpo_hf.training.metrics import combined_pass_values
 
@@ -25,6 +25,16 @@ def test_passes_by_hand():
     assert rows_in_passes(tokens, 7) == [slice(i, i + 1) for i in range(7)]
     # More passes than the least cap fills (another process needs them): the longest run halved.
     assert rows_in_passes([5, 5, 5, 5], 3) == [slice(0, 1), slice(1, 2), slice(2, 4)]
+
+
+def test_rows_dealt_to_processes_by_hand():
+    # One optimizer step of 4 rows per process: 10s on process 0, 40s on process 1 (40 against 160
+    # tokens). The 40s go first, alternately from process 0 (a tie goes to the lower process), then
+    # the 10s: 100 tokens each, the rows of each in global order.
+    assert balance_rows([[10, 10, 10, 10], [40, 40, 40, 40]], 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # Two steps of 2 rows each: each step's rows are dealt among themselves (step 1: rows 0, 1, 4, 5).
+    assert balance_rows([[10, 10, 40, 40], [40, 40, 10, 10]], 2) == [[0, 4, 2, 6], [1, 5, 3, 7]]
+    assert balance_rows([[3, 1, 2]], 3) == [[0, 1, 2]]  # one process keeps its rows
 
 
 def test_pass_losses_add_up_to_the_micro_batch_loss():

@@ -13,8 +13,7 @@
   dataloader workers started by spawn or forkserver can unpickle it).
 - `round_batch` / `split_batch` / `trim_padding` / `padded_to_multiple`: a generation batch's
   tensors cut into micro-batches with no all-padding columns (or, with `pad_to_multiple_of`,
-  widths kept at multiples); `budget_passes` / `rows_in_passes`: its rows cut into passes by
-  tokens (`token_budget`).
+  widths kept at multiples). `token_budget` cuts and deals its rows by tokens: `data.token_budget`.
 """
 
 import logging
@@ -314,39 +313,6 @@ def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, to
     """Split every tensor of a batch along dim 0 into `parts` equal micro-batches."""
     chunks = {key: value.chunk(parts) for key, value in batch.items()}
     return [{key: chunks[key][i] for key in batch} for i in range(parts)]
-
-
-def budget_passes(tokens: list[int], budget: int) -> int:
-    """How many passes of consecutive rows, of at most `budget` tokens each, `tokens` (one count per
-    row) needs at least (filled greedily; a row over the budget makes a pass of its own)."""
-    passes, load = 0, budget
-    for count in tokens:
-        if load + count > budget:
-            passes, load = passes + 1, 0
-        load += count
-    return passes
-
-
-def rows_in_passes(tokens: list[int], passes: int) -> list[slice]:
-    """The rows cut into exactly `passes` runs of consecutive rows (1 <= passes <= rows) whose largest
-    token count is as small as can be: the least cap that `budget_passes` fits into `passes`
-    (bisected), filled greedily, then the run with most rows halved until there are `passes`."""
-    low, high = max(tokens), sum(tokens)
-    while low < high:
-        cap = (low + high) // 2
-        low, high = (low, cap) if budget_passes(tokens, cap) <= passes else (cap + 1, high)
-    runs, start, load = [], 0, 0
-    for row, count in enumerate(tokens):
-        if row > start and load + count > low:
-            runs.append(slice(start, row))
-            start, load = row, 0
-        load += count
-    runs.append(slice(start, len(tokens)))
-    while len(runs) < passes:  # too few rows per cap for `passes` runs: split the longest by rows
-        i = max(range(len(runs)), key=lambda j: runs[j].stop - runs[j].start)
-        middle = (runs[i].start + runs[i].stop) // 2
-        runs[i : i + 1] = [slice(runs[i].start, middle), slice(middle, runs[i].stop)]
-    return runs
 
 
 def _round_up(width: int, multiple: int | None) -> int:

@@ -11,7 +11,7 @@ at most `token_budget` tokens each (a row's tokens: its prompt's and its complet
 row is a pass of its own). Every process makes the same number of passes, as FSDP and ZeRO-3 need
 (they gather the parameters at every forward): the fewest that fit the budget on the process that needs
 most, each process cutting its rows into that many with the least largest pass
-(`batches.rows_in_passes`). A row's log-probs do not depend on the other rows of its pass (each
+(`data.token_budget.rows_in_passes`). A row's log-probs do not depend on the other rows of its pass (each
 distinct prompt runs once, completions see only their own prompt and tokens), so they equal the
 per-micro-batch ones up to float rounding; short completions then share a pass instead of each
 micro-batch paying for one.
@@ -27,12 +27,57 @@ to the micro-batch's. That bounds the memory a micro-step's activations take by 
 than by per_device_train_batch_size x the longest completion. Not with DeepSpeed (its engine
 takes one backward per micro-step), the high-entropy mask (its quantile is over the whole
 micro-batch) or a MoE router loss (not a sum over rows).
+
+With several processes the round's rows are first dealt to them by tokens (`balanced_round`):
+each process keeps as many rows of each optimizer step as before, but which rows is chosen so that
+the processes' shares hold about as many tokens each (`data.token_budget.balance_rows`), so the process with
+the long completions is not the one every other waits for. An optimizer step's rows stay its rows
+and each process's micro-batches keep their row count, so the loss types' denominators, and the
+gradients, are unchanged; not under bnpo, whose mean is over each micro-batch's own tokens.
 """
 
 import torch
 
-from grpo_hf.data.batches import budget_passes, rows_in_passes, trim_padding
+from grpo_hf.algorithm.policy_terms import POLICY_TERMS
+from grpo_hf.data.batches import trim_padding
+from grpo_hf.data.token_budget import balance_rows, budget_passes, rows_in_passes
 from grpo_hf.models.reference import reference_context
+
+
+def balanced_round(trainer, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This process's rows of a training round after dealing every process's rows by tokens
+    (`data.token_budget.balance_rows`), gathered from the others; the batch as it is in evaluation, on one
+    process or under bnpo (see the module docstring)."""
+    accelerator, args = trainer.accelerator, trainer.args
+    bnpo = POLICY_TERMS[args.loss_type].aggregation == "batch_token_mean"
+    if not trainer.model.training or accelerator.num_processes == 1 or bnpo:
+        return batch
+    step_rows = args.per_device_train_batch_size * min(
+        args.gradient_accumulation_steps, args.steps_per_generation
+    )
+    tokens = accelerator.gather(batch["attention_mask"].sum(dim=1))  # (P * R,)
+    rows = balance_rows(tokens.view(accelerator.num_processes, -1).tolist(), step_rows)[
+        accelerator.process_index
+    ]
+    width = batch["completion_mask"].shape[1]  # this process's completion columns
+
+    def everyones(values: torch.Tensor, pad_first: bool = False) -> torch.Tensor:
+        """(P * R, ...) every process's rows, columns padded to the widest (prompts on the left)."""
+        if values.dim() > 1:
+            values = accelerator.pad_across_processes(values, dim=1, pad_index=0, pad_first=pad_first)
+        return accelerator.gather(values)
+
+    out = {}
+    for key, values in batch.items():
+        if key in (
+            "input_ids",
+            "attention_mask",
+        ):  # (R, P + C): left-padded prompts, right-padded completions
+            values = torch.cat([everyones(values[:, :-width], True), everyones(values[:, -width:])], dim=1)
+        else:
+            values = everyones(values)
+        out[key] = values[rows]
+    return out
 
 
 def pass_logps(trainer, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
