@@ -177,9 +177,11 @@ class GRPOConfig(
             "consecutive rows up to this many tokens, across micro-batches; a micro-step's policy pass takes its "
             "micro-batch's rows so, one forward and backward per run, the loss of each divided as the whole "
             "micro-batch's. The same number of passes on every process; a row longer than the budget is a pass "
-            "of its own. Bounds the passes' memory by tokens; results and gradients are the per-micro-batch ones "
-            "(micro-batches and optimizer steps unchanged). Not with DeepSpeed, top_entropy_quantile < 1 or a "
-            "MoE router loss. None (default) or <= 0: one pass per micro-batch."
+            "of its own. With several processes each optimizer step's rows are first dealt to them by tokens "
+            "(as many rows each as before; not under bnpo). Bounds the passes' memory by tokens and evens the "
+            "processes' work; results and gradients are the per-micro-batch ones (micro-batches and optimizer "
+            "steps unchanged). Not with DeepSpeed, top_entropy_quantile < 1 or a MoE router loss. None "
+            "(default) or <= 0: one pass per micro-batch."
         },
     )
     rollout_quantization: str | None = field(
