@@ -32,6 +32,14 @@ def test_auto_precisions_skip_bf16_where_it_is_emulated(native, monkeypatch):
     assert (named.ours_precisions, named.trl_precisions, named.skipped) == (["bf16"], ["bf16", "fp32"], [])
 
 
+def test_int8_kernels_bench_times_every_path_that_runs_here():
+    kernels = bench_module("int8_kernels")
+    figures = kernels.measure((2, 64, 128), repeats=2)  # aten._weight_int8pack_mm wants whole blocks of K
+    assert {"float32", "bf16", "int8 _int_mm", "int8 weight-only (bf16)"} <= set(figures)
+    assert ("int8 dynamic (fbgemm)" in figures) == kernels.int8_kernel_supported()
+    assert all(0 < f["min_ms"] <= f["median_ms"] for f in figures.values())
+
+
 def test_ours_int8_runs_at_our_precisions_and_is_scored_on_its_own(monkeypatch):
     run, worker = bench_module("run"), bench_module("worker")
     monkeypatch.setattr(run, "native_bf16", lambda: False)

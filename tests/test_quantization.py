@@ -179,9 +179,9 @@ def test_a_float32_lm_head_stays_float():
     ],
 )
 def test_settings_int8_rollouts_cannot_run_with_are_refused(tmp_path, overrides, named):
-    for kind in ("int8", "int8_weight_only"):
+    for kind in ("int8", "int8_weight_only"):  # on a CPU (on a GPU the device is refused first)
         with pytest.raises(ValueError, match=named):
-            make_config(tmp_path, rollout_quantization=kind, **overrides)
+            make_config(tmp_path, rollout_quantization=kind, use_cpu=True, **overrides)
     with pytest.raises(ValueError, match="rollout_quantization"):
         make_config(tmp_path, rollout_quantization="fp4")
 
@@ -199,7 +199,7 @@ def test_training_samples_from_the_int8_copy_and_logs_the_mismatch(tmp_path, int
     trainer = GRPOTrainer(
         model=tiny_llama(),
         reward_funcs=length_reward,
-        args=make_config(tmp_path, rollout_quantization=kind, max_steps=1),
+        args=make_config(tmp_path, rollout_quantization=kind, max_steps=1, use_cpu=True),  # CPU only
         train_dataset=chat_dataset(),
         processing_class=tiny_tokenizer(),
     )
