@@ -10,9 +10,9 @@ generation round: merged LoRA layers, and every other parameter that trains (PEF
 from the policy, as when a separate inference engine generates. `policy_weights` is the one place
 that names the policy's weights as the plain model does (LoRA merged), for this copy and for vLLM.
 
-With `rollout_quantization='int8'` the copy's matmuls take its weights rounded to int8
-(`quantization`): the sampler then differs from the policy by more than bf16's rounding, which
-the sampler's log-probs record. A Llama-architecture copy decodes through `decoding.LlamaDecoder`. Other models decode through
+With `rollout_quantization` ('int8', 'int8_weight_only') the copy's matmuls take its weights
+rounded to int8 (`quantization`): the sampler then differs from the policy by more than bf16's
+rounding, which the sampler's log-probs record. A Llama-architecture copy decodes through `decoding.LlamaDecoder`. Other models decode through
 their own forward, where the attention of one query token is `attention.grouped_attention`
 (float32, no per-head copies of the cache); longer queries (the prompt prefill) go to SDPA.
 """
