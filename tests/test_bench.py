@@ -40,6 +40,20 @@ def test_int8_kernels_bench_times_every_path_that_runs_here():
     assert all(0 < f["min_ms"] <= f["median_ms"] for f in figures.values())
 
 
+def test_token_budget_bench_splits_the_step_over_processes_and_micro_batches():
+    bench = bench_module("token_budget")
+    args = bench.parse_args(["--accumulation", "2"])
+    assert args.processes == [1, 2] and args.budget == 512
+    assert bench.overrides(args, 1, None) == {
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 2,
+        "token_budget": None,
+    }
+    assert bench.overrides(args, 2, 512)["per_device_train_batch_size"] == 4  # 16 completions a step
+    with pytest.raises(ValueError, match="do not split"):
+        bench.overrides(bench.parse_args(["--accumulation", "3"]), 2, None)
+
+
 def test_ours_int8_runs_at_our_precisions_and_is_scored_on_its_own(monkeypatch):
     run, worker = bench_module("run"), bench_module("worker")
     monkeypatch.setattr(run, "native_bf16", lambda: False)
