@@ -1,13 +1,18 @@
 """Held-out accuracy against training steps for `make train`'s recipe: still rising, or stopped?
 
     python bench/learning_curve.py --steps 100 --every 20 [--name NAME] [--core N] [--trainer trl] [-- recipe flags]
+    python bench/learning_curve.py --steps 60 --every 60 --seeds 1 2 3 --name int8 -- --rollout_quantization int8
 
 Runs `recipes/grpo.py` with its config (`make train`'s unless `--config`), a checkpoint every
 `--every` steps, the flags after `--` on top (any `GRPOConfig` or script setting, as on the
 recipe's command line); then scores every checkpoint on the task's held-out split with the recipe's
 own evaluation (`grpo_hf_cli`: the script recipes/grpo.py runs, its settings parsed by its parser).
 Prints step and accuracy and writes `bench/results/<date>-learning_curve-<name>-<machine>.json`.
-`--core N` pins the run to CPU core N with one thread, so that two runs share a 2-core machine without their threads fighting: for accuracy, not timing
+`--seeds S1 S2 ...` runs once per seed (`--seed S` after the other flags), each as `<name>-seed<S>`
+with its own results file, then writes `<date>-learning_curve-<name>-<machine>.json` with each
+seed's last accuracy and their mean: a comparison of two settings (say int8 rollouts or not) is two
+such commands with the same seeds. `--core N` pins the run to CPU core N with one thread,
+so that two runs share a 2-core machine without their threads fighting: for accuracy, not timing
 (one thread changes the sums' order, so such a run samples other completions than `make train`).
 `--score-only` scores an earlier run's checkpoints again (same `--name`, flags and `--output-root`).
 `--trainer trl` trains with TRL's GRPOTrainer instead (`bench/trl_recipe.py`: the same settings,
@@ -57,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--score-only",
         action="store_true",
         help="score the checkpoints of an earlier run of this name, no training",
+    )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=None, help="one run per seed (--seed S for the recipe)"
     )
     parser.add_argument("recipe_flags", nargs="*", help="after --: flags for recipes/grpo.py")
     args = parser.parse_args(argv)
@@ -121,8 +129,40 @@ def evaluate(settings: tuple, output_dir: Path) -> list[dict]:
     return curve
 
 
+def seed_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The runs `--seeds` asks for: each named `<name>-seed<S>`, `--seed S` after the user's flags
+    (the last flag wins); without `--seeds`, the run as given."""
+    if args.seeds is None:
+        return [args]
+    return [
+        argparse.Namespace(
+            **{
+                **vars(args),
+                "name": f"{args.name}-seed{seed}",
+                "recipe_flags": [*args.recipe_flags, "--seed", str(seed)],
+            }
+        )  # fmt: skip
+        for seed in args.seeds
+    ]
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    reports = [run(one) for one in seed_runs(args)]
+    if args.seeds is None:
+        return
+    last = {seed: report["curve"][-1]["accuracy"] if report["curve"] else None
+            for seed, report in zip(args.seeds, reports, strict=True)}  # fmt: skip
+    scored = [accuracy for accuracy in last.values() if accuracy is not None]
+    summary = {"name": args.name, "flags": args.recipe_flags, "steps": args.steps, "last_accuracy": last,
+               "mean_last_accuracy": sum(scored) / len(scored) if scored else None,
+               "runs": [results_path(f"learning_curve-{report['name']}").name for report in reports]}  # fmt: skip
+    results_path(f"learning_curve-{args.name}").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """One run: train (unless --score-only), score its checkpoints, write and return its report."""
     output_dir = args.output_root / args.name
     settings = script.parse(recipe_args(args, output_dir))  # before training: a bad flag fails at once
     seconds = None if args.score_only else round(train(args, output_dir), 1)
@@ -139,6 +179,7 @@ def main(argv=None) -> None:
     output.parent.mkdir(exist_ok=True)
     output.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "curve"}))
+    return report
 
 
 if __name__ == "__main__":

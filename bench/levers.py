@@ -1,6 +1,7 @@
 """What single speed levers give, each against the plain way, on the benchmark's shapes.
 
     python bench/levers.py            # about a minute; writes bench/results/<date>-levers-<machine>.json
+    python bench/levers.py --only int8     # the levers whose name has "int8"; <date>-levers-int8-<machine>.json
 
 Everything runs in bf16 where this CPU multiplies it natively (AVX-512-BF16 or AMX) and in float32
 elsewhere, as the trainer's precision='auto' would; "bf16" below reads "float32" there.
@@ -29,12 +30,21 @@ elsewhere, as the trainer's precision='auto' would; "bf16" below reads "float32"
   same packed pass, s per pass;
 - fused LM head: the same packed pass with the frozen LM head fused into the log-softmax
   (`logprobs._ScoringHead`) against the model's own head and `token_logps_and_entropy`, the model
-  prepared as the trainer runs it (Accelerate bf16: autocast, outputs cast to float32), s per pass.
+  prepared as the trainer runs it (Accelerate bf16: autocast, outputs cast to float32), s per pass;
+- decoding step, int8 copy: `decoding.LlamaDecoder` on the generation copy with
+  `rollout_quantization='int8'` (int8 weights, `engine.quantization`) against the same copy in
+  bf16, 16 rows after a 29-token prompt, ms per step;
+- reference passes, token budget: a round's no-grad log-prob pass (the reference's; the old
+  log-probs' is the same) of the 16 rows of `completion_lengths`, LoRA policy, under a
+  `token_budget` of the whole round (one pass: each prompt prefilled once for its 8 rows) against
+  one pass per micro-batch of 4 rows (per_device_train_batch_size=4, gradient_accumulation_steps=4),
+  s per round.
 The padding-free and attention levers run both sides with the model's own head.
 The two sides of a lever alternate (A, B, B, A, ...), so a machine whose speed drifts favours
 neither; each figure is the median of its repeats.
 """
 
+import argparse
 import contextlib
 import json
 import statistics
@@ -48,6 +58,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from peft import LoraConfig, get_peft_model
 
+from grpo_hf.data.token_budget import budget_passes, rows_in_passes
 from grpo_hf.engine import logprobs, packing
 from grpo_hf.engine.attention import grouped_attention
 from grpo_hf.engine.cpu import BlockedLinear, native_bf16
@@ -259,34 +270,80 @@ def fused_head_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Ten
         accelerator.unwrap_model(model, keep_fp32_wrapper=False)  # policy.forward as it was
 
 
+@torch.no_grad()
+def int8_decoding_lever(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    copies = {kind: GenerationCopy(model, DTYPE, quantization=kind).refresh() for kind in ("int8", None)}
+    token = torch.randint(0, model.config.vocab_size, (ROWS,))
+
+    def per_step(kind: str | None) -> float:
+        decoder = LlamaDecoder(copies[kind], COMPLETION)
+        decoder.prefill(ids, mask)
+        return seconds(lambda: decoder(token), COMPLETION - 1) * 1e3
+
+    return alternate(lambda: per_step("int8"), lambda: per_step(None), 4)
+
+
+@torch.no_grad()
+def token_budget_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    input_ids, attention = bench_completions(ids, mask, policy.config.vocab_size)
+    tokens = attention.sum(dim=1).tolist()  # (B,) prompt + completion tokens of each row
+
+    def round_seconds(passes: list[slice]) -> float:
+        def run() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=DTYPE == torch.bfloat16):
+                for rows in passes:
+                    logprobs.completion_logps(policy, input_ids[rows], attention[rows], COMPLETION)
+
+        return seconds(run)
+
+    budgeted = rows_in_passes(tokens, budget_passes(tokens, sum(tokens)))  # a budget of the whole round
+    micro_batches = [slice(start, start + ROWS // 4) for start in range(0, ROWS, ROWS // 4)]
+    return alternate(lambda: round_seconds(budgeted), lambda: round_seconds(micro_batches), 6)
+
+
+def levers(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[str, str, Callable]]:
+    """(name, unit, run) of every lever; `run()` gives (ours, plain)."""
+    policy = {}  # the LoRA policy, made on first use: it adds LoRA layers to `model` itself
+
+    def lora() -> torch.nn.Module:
+        return policy.setdefault("model", lora_policy(model))
+
+    return [
+        ("sampling (16 x vocab)", "ms", lambda: sampling_lever(model.config.vocab_size)),
+        ("decoding step (bf16 copy)", "ms", lambda: decoding_lever(model, ids, mask)),
+        ("decoding, finished rows out", "s", lambda: finished_rows_lever(model, ids, mask)),
+        ("decoding matmuls (16 rows)", "ms", lambda: matmul_lever(model)),
+        ("decoding step, int8 copy", "ms", lambda: int8_decoding_lever(model, ids, mask)),
+        ("loss pass, shared prompts", "s", lambda: shared_prompts_lever(lora(), ids, mask)),
+        ("loss pass, padding-free", "s", lambda: padding_free_lever(lora(), ids, mask)),
+        ("packed pass attention", "s", lambda: attention_lever(lora(), ids, mask)),
+        ("loss pass, fused LM head", "s", lambda: fused_head_lever(lora(), ids, mask)),
+        ("reference passes, token budget", "s", lambda: token_budget_lever(lora(), ids, mask)),
+    ]
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="run only the levers whose name contains this text")
+    args = parser.parse_args()
     torch.manual_seed(0)
     model = load_model(DEFAULT_MODEL).eval()
     ids = torch.randint(0, model.config.vocab_size, (ROWS // GROUP, PROMPT)).repeat_interleave(GROUP, dim=0)
     mask = torch.ones_like(ids)  # (B, P): 2 prompts, each repeated 8 times
-    levers = [
-        ("sampling (16 x vocab)", "ms", sampling_lever(model.config.vocab_size)),
-        ("decoding step (bf16 copy)", "ms", decoding_lever(model, ids, mask)),
-        ("decoding, finished rows out", "s", finished_rows_lever(model, ids, mask)),
-        ("decoding matmuls (16 rows)", "ms", matmul_lever(model)),
-    ]
-    policy = lora_policy(model)  # adds LoRA layers to `model` itself: after the levers above
-    levers += [
-        ("loss pass, shared prompts", "s", shared_prompts_lever(policy, ids, mask)),
-        ("loss pass, padding-free", "s", padding_free_lever(policy, ids, mask)),
-        ("packed pass attention", "s", attention_lever(policy, ids, mask)),
-        ("loss pass, fused LM head", "s", fused_head_lever(policy, ids, mask)),
-    ]
     results = {}
-    for name, unit, (ours, plain) in levers:
+    for name, unit, run in levers(model, ids, mask):  # in order: the LoRA levers after the plain ones
+        if args.only not in name:
+            continue
+        ours, plain = run()
         results[name] = {"ours": ours, "plain": plain, "unit": unit, "speedup": plain / ours}
-        print(f"{name:28s} ours {ours:8.3f} {unit}   plain {plain:8.3f} {unit}   {plain / ours:5.2f}x")
+        print(f"{name:32s} ours {ours:8.3f} {unit}   plain {plain:8.3f} {unit}   {plain / ours:5.2f}x")
     results["threads"] = torch.get_num_threads()
     results["dtype"] = str(DTYPE)
     results["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
-    OUTPUT.write_text(json.dumps(results, indent=1))
-    print(f"Results: {OUTPUT}")
+    output = results_path(f"levers-{args.only.replace(' ', '_')}") if args.only else OUTPUT
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=1))
+    print(f"Results: {output}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/run.py                                   # ours vs TRL, each at the precisions this CPU runs natively
     python bench/run.py --sides ours --steps 2 --max-completion-length 8    # a quick check, no TRL
+    python bench/run.py --sides ours,ours-int8,trl        # our side also with int8 rollouts
 
 Each side and precision trains in its own subprocess (`bench/worker.py`), one after the other, so
 timings do not overlap and every peak RSS belongs to one side. The workload is described in the
@@ -13,7 +14,9 @@ is scored at its fastest precision, and the ratio is TRL's median over ours (the
 AMX): elsewhere bf16 matmuls are emulated and a bf16 side would take an hour to say it is slower
 than its own float32, so it is skipped, and the output says so; name it explicitly to run it anyway.
 Everything, with machine information and the commands to rerun, goes to
-bench/results/<date>-bench-<machine>.json (`bench/results_file.py`).
+bench/results/<date>-bench-<machine>.json (`bench/results_file.py`). The side `ours-int8` is ours
+with `rollout_quantization='int8'` (the sampler's matmuls on int8 weights), at our precisions,
+scored against TRL on its own line.
 
 TRL is needed only for `--sides trl`: `pip install -e ".[bench]"` (or `make bench`).
 """
@@ -37,6 +40,7 @@ from grpo_hf.engine.cpu import native_bf16
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
 from results_file import results_path  # noqa: E402
+from worker import SIDES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "worker.py"
@@ -48,7 +52,7 @@ PRECISIONS = ("fp32", "bf16")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line settings; the workload defaults are the issue's (G=8, 2 prompts, 48 tokens)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sides", default="ours,trl", help="Comma-separated: ours, trl.")
+    parser.add_argument("--sides", default="ours,trl", help="Comma-separated: ours, ours-int8, trl.")
     parser.add_argument(
         "--ours-precisions",
         default="auto",
@@ -82,12 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=3600, help="Seconds before a worker is stopped.")
     parser.add_argument("--output", default=str(results_path("bench")))
     args = parser.parse_args(argv)
-    args.sides = _choices(parser, "--sides", args.sides, ("ours", "trl"))
+    args.sides = _choices(parser, "--sides", args.sides, SIDES)
     auto = {side: getattr(args, f"{side}_precisions") == "auto" for side in ("ours", "trl")}
     args.ours_precisions = _precisions(parser, "ours", args.ours_precisions)
     args.trl_precisions = _precisions(parser, "trl", args.trl_precisions)
     # The bf16 runs 'auto' leaves out, of the sides that run: named in the report.
-    args.skipped = [f"{side}_bf16" for side in args.sides if auto[side] and not native_bf16()]
+    args.skipped = [f"{side}_bf16" for side in args.sides if auto[precision_side(side)] and not native_bf16()]
     if args.steps < 2:
         parser.error("--steps must be >= 2: the first step is a warm-up and is not timed.")
     if args.rounds < 1:
@@ -111,10 +115,15 @@ def _precisions(parser: argparse.ArgumentParser, side: str, value: str) -> list[
     return ["fp32"]
 
 
+def precision_side(side: str) -> str:
+    """Whose precisions a side runs at: ours-int8 at ours'."""
+    return "trl" if side == "trl" else "ours"
+
+
 def runs(args: argparse.Namespace) -> list[tuple[str, str]]:
     """(side, precision) pairs in the order they run: every other round reversed."""
     precisions = {"ours": args.ours_precisions, "trl": args.trl_precisions}
-    one_round = [(side, precision) for side in args.sides for precision in precisions[side]]
+    one_round = [(side, precision) for side in args.sides for precision in precisions[precision_side(side)]]
     return [pair for r in range(args.rounds) for pair in (one_round if r % 2 == 0 else one_round[::-1])]
 
 
@@ -241,23 +250,26 @@ def best(results: dict[str, dict], side: str) -> str | None:
 
 
 def summarize(results: dict[str, dict]) -> dict:
-    """Each side at its fastest precision, and TRL's median step time over ours."""
-    ours, trl = best(results, "ours"), best(results, "trl")
-    ratio = per_token_ratio = None
-    if ours and trl:
-        ratio = results[trl]["median_step_seconds"] / results[ours]["median_step_seconds"]
-        per_token_ratio = (
-            results[trl]["seconds_per_1k_completion_tokens"]
-            / results[ours]["seconds_per_1k_completion_tokens"]
-        )
-    return {
-        "ours": ours,
-        "trl": trl,
-        "ratio_trl_over_ours": ratio,
-        "ratio_per_completion_token": per_token_ratio,
-        "goal_ratio": GOAL_RATIO,
-        "meets_goal": None if ratio is None else ratio >= GOAL_RATIO,
-    }
+    """Each side at its fastest precision, and TRL's median step time over ours (and over ours-int8's,
+    when it ran, under keys ending in _int8)."""
+    summary = {"trl": best(results, "trl"), "goal_ratio": GOAL_RATIO}
+    for side, suffix in (("ours", ""), ("ours-int8", "_int8")):
+        ours, trl = best(results, side), summary["trl"]
+        ratio = per_token_ratio = None
+        if ours and trl:
+            ratio = results[trl]["median_step_seconds"] / results[ours]["median_step_seconds"]
+            per_token_ratio = (
+                results[trl]["seconds_per_1k_completion_tokens"]
+                / results[ours]["seconds_per_1k_completion_tokens"]
+            )
+        if side == "ours" or ours:
+            summary |= {
+                f"ours{suffix}": ours,
+                f"ratio_trl_over_ours{suffix}": ratio,
+                f"ratio_per_completion_token{suffix}": per_token_ratio,
+                f"meets_goal{suffix}": None if ratio is None else ratio >= GOAL_RATIO,
+            }
+    return summary
 
 
 def print_report(report: dict) -> None:
@@ -297,13 +309,14 @@ def print_report(report: dict) -> None:
             "side down, so the timings are not comparable; rerun on an idle machine."
         )
     summary = report["summary"]
-    if summary["ratio_trl_over_ours"] is not None:
-        print(
-            f"Ratio (TRL {summary['trl']} median / ours {summary['ours']} median): "
-            f"{summary['ratio_trl_over_ours']:.2f}x (goal >= {GOAL_RATIO:.0f}x: "
-            f"{'met' if summary['meets_goal'] else 'not met'}); per completion token (the sides sample "
-            f"different lengths): {summary['ratio_per_completion_token']:.2f}x"
-        )
+    for suffix in ("", "_int8"):
+        if summary.get(f"ratio_trl_over_ours{suffix}") is not None:
+            print(
+                f"Ratio (TRL {summary['trl']} median / ours {summary[f'ours{suffix}']} median): "
+                f"{summary[f'ratio_trl_over_ours{suffix}']:.2f}x (goal >= {GOAL_RATIO:.0f}x: "
+                f"{'met' if summary[f'meets_goal{suffix}'] else 'not met'}); per completion token (the sides "
+                f"sample different lengths): {summary[f'ratio_per_completion_token{suffix}']:.2f}x"
+            )
     print("Rerun everything:  " + report["commands"]["run"])
     for key, command in report["commands"]["workers"].items():
         print(f"Rerun {key}:  {command}")

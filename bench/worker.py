@@ -2,6 +2,8 @@
 
     python bench/worker.py --side ours --precision bf16 --steps 6 --output /tmp/ours.json
 
+`--side ours-int8` is ours with `rollout_quantization='int8'` (the sampler's matmuls on int8 weights).
+
 `bench/run.py` starts one of these per side and precision, one after the other, so each process's
 peak RSS (`ru_maxrss` of RUSAGE_SELF, read at the end) is that side's alone. The workload is the
 same for both: the embedded SmolLM2-135M-Instruct with LoRA r=16, alpha=32 on q/k/v/o, the
@@ -34,6 +36,9 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # TRL's own profiler names its generation block "<TrainerClass>.transformers.generate" (or
 # "<TrainerClass>.vLLM.generate" with use_vllm).
 TRL_GENERATE_TIMER = (".transformers.generate", ".vLLM.generate")
+# Our trainer's sides: the settings each adds to the shared workload's.
+OUR_SIDES = {"ours": {}, "ours-int8": {"rollout_quantization": "int8"}}
+SIDES = (*OUR_SIDES, "trl")
 
 
 class StepTimer(TrainerCallback):
@@ -53,7 +58,7 @@ class StepTimer(TrainerCallback):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The worker's settings; `bench/run.py` passes every one explicitly."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--side", choices=("ours", "trl"), required=True)
+    parser.add_argument("--side", choices=SIDES, required=True)
     parser.add_argument("--precision", choices=("fp32", "bf16"), required=True)
     parser.add_argument("--steps", type=int, default=6, help="Optimizer steps; the first is not timed.")
     parser.add_argument("--num-generations", type=int, default=8, help="Completions per prompt (G).")
@@ -127,8 +132,10 @@ def build_trainer(
     )
     settings = {**training_settings(args, output_dir), **overrides}
     generate_seconds: list[float] = []
-    if args.side == "ours":
+    if args.side in OUR_SIDES:
         from grpo_hf import GRPOConfig, GRPOTrainer
+
+        settings |= OUR_SIDES[args.side]
     else:
         from trl import GRPOConfig, GRPOTrainer
 
@@ -174,7 +181,7 @@ def tokens_per_second(
     side: str, logs: list[dict], step_seconds: list[float], generate_seconds: list[float], completions: int
 ) -> tuple[list[float], str]:
     """Generation throughput per step, and how it was obtained."""
-    if side == "ours":
+    if side in OUR_SIDES:
         return [e["generation/tokens_per_second"] for e in logs], "logged generation/tokens_per_second"
     tokens = [e["completions/mean_length"] * completions for e in logs]
     if len(generate_seconds) == len(tokens):

@@ -12,7 +12,7 @@ orchestrates. One generation round, and where each step lives:
 - rewards: `rewards.scoring`; DAPO's dynamic sampling refills the batch with teaching groups
   (`episodes.dynamic_sampling`); group advantages over every process (`algorithm.advantages`);
 - the round's loss tensors and micro-batches (`data.batches`), old / reference log-probs once
-  (`engine.logprobs`, `models.reference`);
+  (`training.logprob_passes`: per micro-batch, or in passes cut by `token_budget`);
 - `compute_loss`: log-probs of the completion tokens, then the pure `algorithm.loss.grpo_loss` with
   the masks and sampler weights of `algorithm.masks`;
 - around it (`training/`): metrics, completion logs, the adaptive entropy coefficient, checkpoints
@@ -40,21 +40,9 @@ from grpo_hf.algorithm import masks
 from grpo_hf.algorithm.advantages import batch_advantages
 from grpo_hf.algorithm.loss import adaptive_beta, dapo_normalizers, grpo_loss
 from grpo_hf.algorithm.masks import gather_ragged, policy_weights
-from grpo_hf.algorithm.sampler_correction import sampler_metrics
 from grpo_hf.config.async_grpo_config import trl_async_arguments
 from grpo_hf.config.grpo_config import GRPOConfig, default_output_dir
-from grpo_hf.data import rollout
-from grpo_hf.data.batches import (
-    GroupSampler,
-    check_datasets,
-    data_order_seed,
-    is_stream,
-    keep_rows,
-    padded_to_multiple,
-    round_batch,
-    split_batch,
-    trim_padding,
-)
+from grpo_hf.data import batches, rollout
 from grpo_hf.data.rollout import ScoredRound
 from grpo_hf.data.streaming import extra_prompt_source, group_stream, read_in_process
 from grpo_hf.engine import precision_line
@@ -73,7 +61,7 @@ from grpo_hf.episodes.multi_turn import recorded_episodes, trainer_tool_episodes
 from grpo_hf.episodes.rollout_func import RolloutFunc, call_rollout_func
 from grpo_hf.episodes.tools import Toolbox, check_tool_call_format
 from grpo_hf.models.policy import load_policy, model_init_kwargs, prepare_policy, reward_model_loading
-from grpo_hf.models.reference import ReferenceSync, load_reference, reference_context
+from grpo_hf.models.reference import ReferenceSync, load_reference
 from grpo_hf.rewards.reward_outputs import RewardLogs
 from grpo_hf.rewards.scoring import (
     RewardFunc,
@@ -82,6 +70,8 @@ from grpo_hf.rewards.scoring import (
     reward_setup,
     score_completions,
 )
+from grpo_hf.training import logprob_passes as passes
+from grpo_hf.training import metrics as training_metrics
 from grpo_hf.training.checkpoints import (
     NonFiniteGuard,
     SaveOnInterrupt,
@@ -93,7 +83,7 @@ from grpo_hf.training.checkpoints import (
 )
 from grpo_hf.training.completion_logs import CompletionLog, completion_rows
 from grpo_hf.training.entropy_control import EntropyCoefficient
-from grpo_hf.training.metrics import IntervalMetrics, StepTimer, micro_step_values, round_metrics
+from grpo_hf.training.metrics import IntervalMetrics, StepTimer, round_metrics
 from grpo_hf.training.model_card import ModelCardWriter, Tags
 from grpo_hf.training.moe import RouterAuxLoss
 
@@ -132,7 +122,9 @@ class GRPOTrainer(Trainer):
         if eval_dataset is not None:
             args.check_eval_batch()
         train_dataset = train_dataset_or_placeholder(train_dataset, pool, args)
-        check_datasets(args, train_dataset, eval_dataset, needs_chat=bool(tools or pool), environments=pool)
+        batches.check_datasets(
+            args, train_dataset, eval_dataset, needs_chat=bool(tools or pool), environments=pool
+        )
         self._set_rollout_sources(tools, rollout_func)
         init_kwargs = model_init_kwargs(args, quantization_config)
         self.reward_funcs, self.reward_processing_classes, self.reward_weights = reward_setup(
@@ -152,7 +144,7 @@ class GRPOTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=keep_rows,
+            data_collator=batches.keep_rows,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -161,6 +153,7 @@ class GRPOTrainer(Trainer):
             **kwargs,
         )
         self.loss_is_scaled_for_ga = False  # the Trainer divides our loss by the accumulation steps
+        passes.check_policy_passes(args, self.is_deepspeed_enabled, self.router_aux.coef)
         lora = peft_config is not None
         self.ref_model = load_reference(self.accelerator, self.model, args, ref_model, lora, init_kwargs)
         for reward in self.reward_funcs:
@@ -214,7 +207,9 @@ class GRPOTrainer(Trainer):
         self.add_callback(self.entropy_control)
         self._micro_step = 0
         self._buffer: list[dict] = []
-        source = extra_prompt_source(self.train_dataset, data_order_seed(args), self.toolbox is not None)
+        source = extra_prompt_source(
+            self.train_dataset, batches.data_order_seed(args), self.toolbox is not None
+        )
         self.extra_rounds = ExtraRounds(source, args.generation_batch_size, args.num_generations)
         self._round_kl: list[float] = []
         self.metrics = IntervalMetrics()
@@ -231,7 +226,7 @@ class GRPOTrainer(Trainer):
 
     def _get_train_sampler(self, train_dataset: Dataset | None = None) -> Sampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        return GroupSampler.for_training(self.args, len(dataset), self.round_length)
+        return batches.GroupSampler.for_training(self.args, len(dataset), self.round_length)
 
     def get_train_dataloader(self):
         """One batch per micro-step: this process's slice of a whole generation batch."""
@@ -249,7 +244,7 @@ class GRPOTrainer(Trainer):
         return super().get_batch_samples(batches, num_batches, device)
 
     def _get_eval_sampler(self, eval_dataset: Dataset) -> Sampler:
-        return GroupSampler.for_evaluation(self.args, len(eval_dataset))
+        return batches.GroupSampler.for_evaluation(self.args, len(eval_dataset))
 
     def _get_dataloader(
         self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None
@@ -258,7 +253,7 @@ class GRPOTrainer(Trainer):
         read in this process."""
         if not is_training:
             self.args.check_eval_batch()  # also for a dataset handed to evaluate() directly
-        if not is_stream(dataset):
+        if not batches.is_stream(dataset):
             return super()._get_dataloader(
                 dataset, description, batch_size, sampler_fn, is_training, dataloader_key
             )
@@ -316,16 +311,21 @@ class GRPOTrainer(Trainer):
         if args.log_completions:
             rows = completion_rows(scored, self.reward_func_names, self.reward_weights, advantages)
             self.completion_log.record(rows)
-        batch = round_batch(scored.result, advantages, args.mask_truncated_completions)
-        parts = split_batch(batch, args.steps_per_generation if self.model.training else 1)
+        batch = batches.round_batch(scored.result, advantages, args.mask_truncated_completions)
+        if args.token_budget is not None:  # rows dealt to processes, old / reference passes cut, by tokens
+            batch = passes.balanced_round(self, batch)
+            batch |= passes.round_logps(self, batch, args.token_budget)
+        parts = batches.split_batch(batch, args.steps_per_generation if self.model.training else 1)
         counts = torch.stack([part["completion_mask"].sum() for part in parts]).float()  # (S,)
         counts = self.accelerator.gather(counts).view(self.accelerator.num_processes, -1)  # (P, S)
         per_step = min(args.gradient_accumulation_steps, len(parts)) if self.model.training else 1
         normalizers = dapo_normalizers(counts, per_step)
-        return [
-            self._complete_micro_batch(part, normalizer)
-            for part, normalizer in zip(parts, normalizers, strict=True)
+        parts = [
+            self._complete_micro_batch(part, normal) for part, normal in zip(parts, normalizers, strict=True)
         ]
+        if args.token_budget is not None:
+            passes.add_policy_passes(self, parts, args.token_budget)
+        return parts
 
     def _sample_and_score(
         self, rows: list[dict], generate: Callable | None = None, state: TrainerState | None = None
@@ -364,7 +364,9 @@ class GRPOTrainer(Trainer):
                 prompts, self.processing_class, generate or self.generate_completions, device, args.max_prompt_length,
                 args.chat_template_kwargs, args.pad_to_multiple_of,
             )  # fmt: skip
-        result = padded_to_multiple(result, args.pad_to_multiple_of, self.processing_class.pad_token_id)
+        result = batches.padded_to_multiple(
+            result, args.pad_to_multiple_of, self.processing_class.pad_token_id
+        )
         seconds = time.perf_counter() - start
         completion_ids = [
             ids[mask.bool()].tolist()
@@ -379,15 +381,12 @@ class GRPOTrainer(Trainer):
         return ScoredRound(result, prompts, completions, scores, errors, retried, seconds, *extras)
 
     def _complete_micro_batch(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> dict:
-        """Trim padding and add old / reference log-probs (no grad, once per round)."""
-        batch = trim_padding(batch, self.args.pad_to_multiple_of)
+        """Trim padding and add old / reference log-probs (no grad, once per round), one pass per
+        micro-batch unless token_budget cut the round's passes (`training.logprob_passes`)."""
+        batch = batches.trim_padding(batch, self.args.pad_to_multiple_of)
         batch["dapo_normalizer"] = normalizer
-        with torch.no_grad(), self.compute_loss_context_manager():  # the loss's precision (bf16 autocast)
-            if self.needs_old_logps():
-                batch["old_logps"] = self.completion_logps(self.model_wrapped, batch)[0]
-            if self.beta > 0:
-                with reference_context(self.model, self.ref_model) as ref:
-                    batch["ref_logps"] = self.completion_logps(ref, batch)[0]
+        if self.args.token_budget is None:
+            batch |= passes.pass_logps(self, batch)
         return batch
 
     def completion_logps(
@@ -430,6 +429,28 @@ class GRPOTrainer(Trainer):
     # ---- Loss ---------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The micro-batch's loss: one pass, or under token_budget one per run of rows, all but the last
+        pass's backward taken here (the Trainer takes the last's; the loss returned is their sum)."""
+        values, loss = [], None
+        for part in passes.policy_passes(inputs, self.args.pad_to_multiple_of):
+            if loss is not None and loss.requires_grad:
+                self.accelerator.backward(loss / self.current_gradient_accumulation_steps)  # as the Trainer's
+            part_loss, part_values = self._pass_loss(model, part)
+            loss = part_loss if loss is None else part_loss + loss.detach()
+            values.append(part_values)
+        self._record_loss_metrics(values)
+        return (loss, None) if return_outputs else loss
+
+    def _record_loss_metrics(self, values: list[tuple[dict, dict, float]]) -> None:
+        """Record a micro-step's loss metrics from its passes' (`metrics.loss_values` each)."""
+        once, means, tokens = training_metrics.combined_pass_values(values)
+        self.record(once)
+        if "kl" in means and self.model.training:
+            self._round_kl.append(means["kl"])
+        self.record_token_means(means, tokens)
+
+    def _pass_loss(self, model, inputs: dict) -> tuple[Tensor, tuple[dict, dict, float]]:
+        """One pass's loss and its metric values (`metrics.loss_values`)."""
         with self.router_aux.recording() as routed:  # MoE router logits, when their loss is on
             logps, entropy = self.completion_logps(model, inputs, with_entropy=True)  # (B, C), (B, C)
         old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C) pi_old
@@ -446,30 +467,14 @@ class GRPOTrainer(Trainer):
             entropy=entropy,
             entropy_coef=self.entropy_control.applied(),
             dapo_normalizer=inputs["dapo_normalizer"],
+            batch_rows=inputs.get("batch_rows"),  # a token_budget pass: the micro-batch's
+            batch_tokens=inputs.get("batch_tokens"),
             **weights,
         )
         loss = self.router_aux.added_to(loss, routed, inputs, metrics)
         if self.model.training:
             self.entropy_control.observe(entropy, inputs["completion_mask"], weights["entropy_mask"])
-        self._record_loss_metrics(metrics, old, inputs, weights["sampler_weights"])
-        return (loss, None) if return_outputs else loss
-
-    def _record_loss_metrics(
-        self, metrics: dict[str, Tensor], old: Tensor, inputs: dict, sampler_weights: Tensor | None
-    ) -> None:
-        """Record a micro-step's loss metrics and, for completions whose sampler log-probs were recorded,
-        how far the sampler is from pi_old (`sampler_correction.sampler_metrics`): token means over the
-        loss tokens, and the values recorded once per micro-step (`metrics.MICRO_STEP_METRICS`: the loss
-        before the entropy bonus, extremes). They reach the host in one transfer, not one `.item()` (a
-        device sync) each."""
-        mask = inputs["completion_mask"]  # (B, C)
-        if "sampler_logps" in inputs:
-            metrics = metrics | sampler_metrics(old, inputs["sampler_logps"], mask, sampler_weights)
-        once, means, tokens = micro_step_values(metrics, mask)
-        self.record(once)
-        if "kl" in means and self.model.training:
-            self._round_kl.append(means["kl"])
-        self.record_token_means(means, tokens)
+        return loss, training_metrics.loss_values(metrics, old, inputs, weights["sampler_weights"])
 
     get_off_policy_mask = staticmethod(masks.get_off_policy_mask)  # TRL's (B, 1) sequence mask
 

@@ -105,6 +105,20 @@ SCENARIOS = {
     # batch, so G = 8 straddles the processes as with the sampler. 3 steps of 2 prompts over 4
     # prompts: the third round starts the stream's second (reshuffled) pass.
     "stream": Scenario(num_generations=8, global_batch=16, stream=True),
+    # g8_dapo and g8_grpo with their log-prob passes cut by tokens: rows of 36 to 39 tokens on process 0
+    # fit 2 passes of 80, rows of 40 to 43 on process 1 need 4, so process 0 cuts its rows into 4 too (the
+    # old and reference passes of the round and the policy pass of its one micro-batch alike); on 2
+    # processes the rows are dealt by tokens first.
+    "token_budget": Scenario(
+        num_generations=8, num_iterations=2, max_steps=4, loss_settings=dict(token_budget=80)
+    ),
+    "token_budget_grpo": Scenario(
+        num_generations=8,
+        loss_type="grpo",
+        num_iterations=2,
+        max_steps=4,
+        loss_settings=dict(token_budget=80),
+    ),
     # The entropy quantile over both processes' tokens, the adaptive entropy coefficient from both
     # processes' entropy and its bonus over both processes' tokens, the off-policy mask on the
     # second pass.

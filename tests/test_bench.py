@@ -52,6 +52,55 @@ def test_auto_precisions_skip_bf16_where_it_is_emulated(native, monkeypatch):
     assert (named.ours_precisions, named.trl_precisions, named.skipped) == (["bf16"], ["bf16", "fp32"], [])
 
 
+def test_int8_kernels_bench_times_every_path_that_runs_here():
+    kernels = bench_module("int8_kernels")
+    figures = kernels.measure((2, 64, 128), repeats=2)  # aten._weight_int8pack_mm wants whole blocks of K
+    assert {"float32", "bf16", "int8 _int_mm", "int8 weight-only (bf16)"} <= set(figures)
+    assert ("int8 dynamic (fbgemm)" in figures) == kernels.int8_kernel_supported()
+    assert all(0 < f["min_ms"] <= f["median_ms"] for f in figures.values())
+
+
+def test_token_budget_bench_splits_the_step_over_processes_and_micro_batches():
+    bench = bench_module("token_budget")
+    args = bench.parse_args(["--accumulation", "2"])
+    assert args.processes == [1, 2] and args.budget == 512
+    assert bench.overrides(args, 1, None) == {
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 2,
+        "token_budget": None,
+    }
+    assert bench.overrides(args, 2, 512)["per_device_train_batch_size"] == 4  # 16 completions a step
+    with pytest.raises(ValueError, match="do not split"):
+        bench.overrides(bench.parse_args(["--accumulation", "3"]), 2, None)
+
+
+def test_ours_int8_runs_at_our_precisions_and_is_scored_on_its_own(monkeypatch):
+    run, worker = bench_module("run"), bench_module("worker")
+    monkeypatch.setattr(run, "native_bf16", lambda: False)
+    args = run.parse_args(["--sides", "ours,ours-int8,trl", "--rounds", "2"])
+    assert args.skipped == ["ours_bf16", "ours-int8_bf16", "trl_bf16"]
+    one_round = [("ours", "fp32"), ("ours-int8", "fp32"), ("trl", "fp32")]
+    assert run.runs(args) == one_round + one_round[::-1]
+    assert (
+        worker.parse_args(["--side", "ours-int8", "--precision", "fp32", "--output", "x"]).side == "ours-int8"
+    )
+    assert worker.OUR_SIDES["ours-int8"] == {"rollout_quantization": "int8"}
+    timing = {"seconds_per_1k_completion_tokens": 1.0}
+    results = {
+        "ours_fp32": {"side": "ours", "median_step_seconds": 4.0, **timing},
+        "ours-int8_fp32": {"side": "ours-int8", "median_step_seconds": 2.0, **timing},
+        "trl_fp32": {"side": "trl", "median_step_seconds": 10.0, **timing},
+    }
+    summary = run.summarize(results)
+    assert (summary["ratio_trl_over_ours"], summary["meets_goal"]) == (2.5, False)
+    assert (summary["ours_int8"], summary["ratio_trl_over_ours_int8"], summary["meets_goal_int8"]) == (
+        "ours-int8_fp32",
+        5.0,
+        True,
+    )
+    assert "ratio_trl_over_ours_int8" not in run.summarize({k: results[k] for k in ("ours_fp32", "trl_fp32")})
+
+
 @pytest.mark.slow
 def test_bench_runs_our_side_and_writes_every_field(tmp_path):
     output = tmp_path / "latest.json"
@@ -229,6 +278,18 @@ def test_learning_curve_reads_the_run_as_the_recipe_does(tmp_path):
     assert [step for step, _ in curve.checkpoints(tmp_path)] == [5, 20, 100]  # by number, not by name
     with pytest.raises(SystemExit):
         curve.parse_args(["--steps", "10", "--every", "20"])
+
+
+def test_learning_curve_runs_once_per_seed_with_the_same_other_flags(tmp_path):
+    curve = bench_module("learning_curve")
+    args = curve.parse_args(["--seeds", "1", "2", "--name", "int8", "--", "--seed", "9",
+                             "--rollout_quantization", "int8"])  # fmt: skip
+    runs = curve.seed_runs(args)
+    assert [run.name for run in runs] == ["int8-seed1", "int8-seed2"]
+    for seed, run in zip((1, 2), runs, strict=True):
+        _, _, config = curve.load_recipe().parse(curve.recipe_args(run, tmp_path / run.name))
+        assert (config.seed, config.rollout_quantization) == (seed, "int8")  # --seeds wins over --seed
+    assert curve.seed_runs(curve.parse_args([])) == [curve.parse_args([])]
 
 
 @pytest.mark.cpu_kind

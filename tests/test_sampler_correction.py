@@ -10,6 +10,8 @@ import torch
 from grpo_hf.algorithm.sampler_correction import SamplerCorrection, sampler_is_weights, sampler_metrics
 from grpo_hf.config.grpo_config import GRPOConfig
 from grpo_hf.config.loss_args import check_sampler_settings, sampler_correction
+from grpo_hf.engine import quantization
+from grpo_hf.engine.quantization import Int8Matmul
 
 # Row 0: pi_old (0.5, 0.2, 0.3) against the sampler's (0.25, 0.4, 0.1): ratios 2, 0.5, 3, product 3.
 # Row 1: (0.5, 0.4, pad) against (0.4, 0.5, pad): ratios 1.25, 0.8, product 1; its padding's
@@ -54,15 +56,18 @@ def test_under_truncation_the_weight_is_the_mass_the_truncation_kept():
 
 
 def test_metrics_by_hand():
-    """Five loss tokens, ratios 2, 0.5, 3, 1.25, 0.8: mean 7.55 / 5 = 1.51, max 3; |log ratio|:
+    """Five loss tokens, ratios 2, 0.5, 3, 1.25, 0.8: mean 7.55 / 5 = 1.51, min 0.5, max 3; |log ratio|:
     log 2, log 2, log 3, log 1.25, log 1.25 -> mean (2 log 2 + log 3 + 2 log 1.25) / 5, max log 3.
+    k3 = r - 1 - log r summed: 7.55 - 5 - (log 2 - log 2 + log 3 + log 1.25 - log 1.25) = 2.55 - log 3.
     Weights of sequence_mask at 2.5: 0 on row 0's three tokens, 1 on row 1's two: min 0, mean 2 / 5, max 1."""
     weights = sampler_is_weights(OLD, SAMPLER, MASK, SamplerCorrection("sequence_mask", None, 2.5))
     metrics = {k: v.item() for k, v in sampler_metrics(OLD, SAMPLER, MASK, weights).items()}
     assert metrics == pytest.approx(
         {
             "sampler/ratio_mean": 7.55 / 5,
+            "sampler/ratio_min": 0.5,
             "sampler/ratio_max": 3.0,
+            "sampler/kl": (2.55 - math.log(3)) / 5,
             "sampling/sampling_logp_difference/mean": (2 * math.log(2) + math.log(3) + 2 * math.log(1.25))
             / 5,
             "sampling/sampling_logp_difference/max": math.log(3),
@@ -75,7 +80,40 @@ def test_metrics_by_hand():
     assert not any(name.startswith("sampling/importance") for name in without)
     empty = sampler_metrics(OLD, SAMPLER, torch.zeros(2, 3), weights)  # no loss token: extremes -inf / inf
     assert empty["sampler/ratio_max"].item() == -math.inf
+    assert empty["sampler/ratio_min"].item() == math.inf
     assert empty["sampling/importance_sampling_ratio/min"].item() == math.inf
+
+
+def test_weights_of_an_int8_sampler_by_hand(monkeypatch):
+    """A 3-token vocabulary, hidden state (1, 1), head rows (1, 0.3), (0.2, 0.9), (-0.5, 0.25): the
+    policy's logits are the row sums 1.3, 1.1, -0.25. Rounded per row to int8 (scale max|w| / 127):
+    row 0 (1, 38/127), row 1 (28 * 0.9/127, 0.9), row 2 (-0.5, 64 * 0.5/127) (0.25 / (0.5/127) = 63.5
+    rounds to even), so the int8 sampler's logits are 1 + 38/127, 0.9 + 25.2/127, -0.5 + 32/127.
+    Tokens 1 and 2 drawn: rho_t = softmax(policy)_t / softmax(sampler)_t, token_truncate to [0.998, 1.0005]."""
+    monkeypatch.setattr(quantization, "int8_kernel_supported", lambda: False)  # float activations: exact
+    head = torch.tensor([[1.0, 0.3], [0.2, 0.9], [-0.5, 0.25]])
+    hidden = torch.ones(2, 2)  # (T, E): the same state at both tokens
+    policy_logits = [1.3, 1.1, -0.25]
+    sampler_logits = [1 + 38 / 127, 0.9 + 25.2 / 127, -0.5 + 32 / 127]
+    torch.testing.assert_close(Int8Matmul(head)(hidden)[0], torch.tensor(sampler_logits))
+    tokens = torch.tensor([1, 2])
+    old = torch.log_softmax(hidden @ head.T, dim=-1).gather(1, tokens[:, None]).T  # (1, T)
+    sampler = torch.log_softmax(Int8Matmul(head)(hidden), dim=-1).gather(1, tokens[:, None]).T
+    weights = sampler_is_weights(
+        old, sampler, torch.ones(1, 2), SamplerCorrection("token_truncate", 0.998, 1.0005)
+    )
+
+    def softmax(logits: list[float], t: int) -> float:
+        return math.exp(logits[t]) / sum(math.exp(z) for z in logits)
+
+    rho = [softmax(policy_logits, t) / softmax(sampler_logits, t) for t in (1, 2)]
+    # rho_1 = 1.000759..., rho_2 = 0.997219...: each past one bound, so clamped to it.
+    assert rho[1] < 0.998 < 1.0005 < rho[0]
+    torch.testing.assert_close(weights, torch.tensor([[1.0005, 0.998]]))
+    unbounded = sampler_is_weights(
+        old, sampler, torch.ones(1, 2), SamplerCorrection("token_truncate", None, None)
+    )
+    torch.testing.assert_close(unbounded, torch.tensor([rho]))
 
 
 # ---- Which correction applies, and TRL's checks ------------------------------------------------

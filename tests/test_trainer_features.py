@@ -11,6 +11,7 @@ from trainer_helpers import FixedCompletionsTrainer, chat_dataset, length_reward
 from transformers import LlamaConfig, LlamaForSequenceClassification, TrainerCallback
 
 from grpo_hf.engine.logprobs import completion_logps
+from grpo_hf.training.metrics import loss_values
 
 
 def first_round(trainer):
@@ -206,7 +207,7 @@ def test_loss_metrics_reach_the_host_in_one_read(tmp_path, monkeypatch):
             torch.Tensor, name, lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a)
         )
     weights = torch.tensor([[2.0, 0.5, 9.0], [1.0, 9.0, 9.0]])  # the correction's, on the 3 active tokens
-    trainer._record_loss_metrics(metrics, logps, inputs, weights)
+    trainer._record_loss_metrics([loss_values(metrics, logps, inputs, weights)])
     monkeypatch.undo()
     assert reads == ["tolist"]
     # ratios pi / pi_sampler on the 3 active tokens: 0.5 / 0.25, 0.2 / 0.4, 0.1 / 0.1

@@ -101,21 +101,30 @@ def aggregate(
     loss_type: str,
     max_completion_length: int,
     dapo_normalizer: float | torch.Tensor | None = None,
+    batch_rows: int | None = None,
+    batch_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reduce a (B, T) per-token loss to a scalar as `loss_type` does (see the module docstring)."""
+    """Reduce a (B, T) per-token loss to a scalar as `loss_type` does (see the module docstring).
+
+    `batch_rows` / `batch_tokens`: the rows and loss tokens of the micro-batch these B rows are a
+    pass of (`token_budget`), which the per-micro-batch means divide by; by default these rows'.
+    The passes' losses then add up to the micro-batch's.
+    """
     if loss_type not in POLICY_TERMS:
         raise ValueError(f"loss_type={loss_type!r} is not one of {tuple(POLICY_TERMS)}.")
     how = POLICY_TERMS[loss_type].aggregation
     masked = per_token * mask  # (B, T)
+    rows = per_token.shape[0] if batch_rows is None else batch_rows
+    tokens = mask.sum() if batch_tokens is None else batch_tokens
     if how == "sequence_mean":
-        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / rows
     if how == "sequence_sum":
-        return masked.sum(dim=1).mean()
+        return masked.sum(dim=1).sum() / rows
     if how == "batch_token_mean":
-        return masked.sum() / mask.sum().clamp(min=1)
+        return masked.sum() / tokens.clamp(min=1)
     if how == "constant":
-        return masked.sum() / (per_token.shape[0] * max_completion_length)
-    return token_mean(per_token, mask, dapo_normalizer)
+        return masked.sum() / (rows * max_completion_length)
+    return token_mean(per_token, mask, tokens if dapo_normalizer is None else dapo_normalizer)
 
 
 def token_mean(
@@ -146,6 +155,8 @@ def grpo_loss(
     sampler_weights: torch.Tensor | None = None,
     off_policy_mask: torch.Tensor | None = None,
     entropy_mask: torch.Tensor | None = None,
+    batch_rows: int | None = None,
+    batch_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """The GRPO loss of one micro-batch and its metrics (detached scalars).
 
@@ -157,7 +168,9 @@ def grpo_loss(
     (`sampler_correction.sampler_is_weights`); `off_policy_mask` (B, 1) (`masks.get_off_policy_mask`);
     `entropy_mask` (B, T) (`masks.get_high_entropy_mask`), which also restricts the entropy bonus.
     `dapo_normalizer` / `entropy_normalizer`: the token counts the dapo-style sum and the entropy
-    bonus divide by; by default this micro-batch's (see the module docstring).
+    bonus divide by; by default this micro-batch's (see the module docstring). `batch_rows` /
+    `batch_tokens`: where these rows are one pass of a micro-batch, its rows and loss tokens
+    (`aggregate`); the entropy bonus then needs `entropy_normalizer`.
     Metrics are means over the active tokens, except `policy_loss` (the loss before the entropy
     bonus) and the extremes `clip_ratio/low_min` and `clip_ratio/high_max`.
     """
@@ -183,7 +196,7 @@ def grpo_loss(
             kl = kl * torch.exp(log_ratio)  # samples from pi_old: importance-weighted, with gradient
         per_token = per_token + beta * kl
         metrics["kl"] = masked_mean(kl.detach(), mask)
-    loss = aggregate(per_token, mask, loss_type, width, dapo_normalizer)
+    loss = aggregate(per_token, mask, loss_type, width, dapo_normalizer, batch_rows, batch_tokens)
     metrics["policy_loss"] = loss.detach()
     if entropy is not None:
         metrics["entropy"] = masked_mean(entropy.detach(), mask)

@@ -60,7 +60,10 @@ def sampler_metrics(
 ) -> Metrics:
     """How far the sampler is from the policy, over the active tokens it scored, and the weights.
 
-    Ours: `sampler/ratio_mean`, `sampler/ratio_max` of pi_old / pi_sampler. TRL's:
+    Ours: `sampler/ratio_mean`, `sampler/ratio_min`, `sampler/ratio_max` of rho = pi_old / pi_sampler,
+    and `sampler/kl`, the token mean of k3 = rho - 1 - log rho: an unbiased, never negative estimate
+    of KL(pi_sampler || pi_old) per token from the sampler's own draws (Schulman's k3; TRL logs no
+    such KL). TRL's:
     `sampling/sampling_logp_difference/mean` and `/max` of |log pi_old - log pi_sampler|, and
     with a correction `sampling/importance_sampling_ratio/min`, `/mean`, `/max` of the weights
     applied. Extremes of an empty batch are -inf / inf (not recorded).
@@ -70,7 +73,9 @@ def sampler_metrics(
     ratio, difference, active = torch.exp(log_ratio), log_ratio.abs(), scored.to(old_logps.dtype)
     metrics = {
         "sampler/ratio_mean": masked_mean(ratio, active),
+        "sampler/ratio_min": ratio.masked_fill(~scored, math.inf).min(),
         "sampler/ratio_max": ratio.masked_fill(~scored, -math.inf).max(),
+        "sampler/kl": masked_mean(torch.expm1(log_ratio) - log_ratio, active),  # expm1: exact near rho = 1
         "sampling/sampling_logp_difference/mean": masked_mean(difference, active),
         "sampling/sampling_logp_difference/max": difference.masked_fill(~scored, -math.inf).max(),
     }

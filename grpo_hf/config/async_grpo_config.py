@@ -5,17 +5,17 @@ other mode), max_completion_length=2048, a log every step, a constant learning r
 completions printed when log_completions is on. Every
 `GRPOConfig` setting is accepted too; `GRPOTrainer` and `AsyncGRPOTrainer` train with it alike.
 
-TRL's `request_timeout` is grpo-hf's `vllm_server_request_timeout`. `token_budget` (TRL's batching
-by tokens) and `fork_threshold_tokens` (TRL's multi-turn row reconciliation) are accepted and have
-no effect: grpo-hf batches by `per_device_train_batch_size` and keeps a multi-turn episode one row.
+TRL's `request_timeout` is grpo-hf's `vllm_server_request_timeout`. `token_budget` is `GRPOConfig`'s:
+it cuts the old and reference log-prob passes by tokens (TRL's async trainer also batches its
+training rows by it; grpo-hf's micro-batches stay `per_device_train_batch_size` rows). TRL defaults
+it to the vLLM server's max_model_len; here None keeps one pass per micro-batch.
+`fork_threshold_tokens` (TRL's multi-turn row reconciliation) is accepted and has no effect:
+grpo-hf keeps a multi-turn episode one row.
 """
 
-import logging
 from dataclasses import dataclass, field
 
 from grpo_hf.config.grpo_config import GRPOConfig, default_output_dir
-
-logger = logging.getLogger(__name__)
 
 
 def _help(name: str) -> dict:
@@ -40,12 +40,6 @@ class AsyncGRPOConfig(GRPOConfig):
     request_timeout: float | None = field(
         default=None, metadata={"help": "TRL's name for vllm_server_request_timeout; sets it when given."}
     )
-    token_budget: int | None = field(
-        default=None,
-        metadata={
-            "help": "Accepted for TRL scripts, no effect: grpo-hf batches by per_device_train_batch_size."
-        },
-    )
     fork_threshold_tokens: int = field(
         default=1024,
         metadata={
@@ -61,12 +55,6 @@ class AsyncGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"AsyncGRPOConfig(max_staleness={self.max_staleness}) would train synchronously: async GRPO needs "
                 "max_staleness >= 1. Use GRPOConfig (and GRPOTrainer) for synchronous training."
-            )
-        if self.token_budget is not None and self.token_budget > 0:
-            logger.warning(
-                "token_budget=%d has no effect in grpo-hf (it batches by per_device_train_batch_size; lower it, and "
-                "raise gradient_accumulation_steps, to bound memory).",
-                self.token_budget,
             )
 
 

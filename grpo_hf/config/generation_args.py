@@ -136,6 +136,7 @@ class GenerationBackendArguments:
         return GenerationSettings(
             generation_backend=self.generation_backend,
             generation_dtype=self.generation_dtype,
+            rollout_quantization=self.rollout_quantization,
             bf16=bool(self.bf16),
             cache_implementation=self.cache_implementation,
             generation_kwargs=dict(self.generation_kwargs),

@@ -32,7 +32,8 @@ from grpo_hf.config.reporting import check_report_to
 from grpo_hf.config.rollout_args import REWARD_ERROR_POLICIES, SCALE_REWARDS, RolloutArguments
 from grpo_hf.config.vllm_args import VLLMArguments
 from grpo_hf.engine import native_bf16
-from grpo_hf.engine.decoding import DECODERS
+from grpo_hf.engine.decoding import DECODERS, QUANTIZED_DECODERS
+from grpo_hf.engine.quantization import ROLLOUT_QUANTIZATIONS
 
 __all__ = [
     "GENERATION_BACKENDS",
@@ -184,6 +185,36 @@ class GRPOConfig(
             "keeps the model's own dtype. Default: bfloat16 when --bf16 is set, else the model's dtype."
         },
     )
+    token_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": "(TRL's async name) The most tokens (prompt and completion of each row) one process puts "
+            "through one log-prob pass. The old and reference passes take a generation round's rows in runs of "
+            "consecutive rows up to this many tokens, across micro-batches; a micro-step's policy pass takes its "
+            "micro-batch's rows so, one forward and backward per run, the loss of each divided as the whole "
+            "micro-batch's. The same number of passes on every process; a row longer than the budget is a pass "
+            "of its own. With several processes each optimizer step's rows are first dealt to them by tokens "
+            "(as many rows each as before; not under bnpo). Bounds the passes' memory by tokens and evens the "
+            "processes' work; results and gradients are the per-micro-batch ones (micro-batches and optimizer "
+            "steps unchanged). Not with DeepSpeed, top_entropy_quantile < 1 or a MoE router loss. None "
+            "(default) or <= 0: one pass per micro-batch."
+        },
+    )
+    rollout_quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "(grpo-hf) Sample from a copy of the policy whose matmuls take int8 weights (one scale per "
+            "output channel), refreshed with the weights each round, LoRA merged first; on a CPU, with "
+            "generation_backend 'auto', 'llama', 'transformers' or 'transformers_static'. 'int8': activations "
+            "rounded to int8 at each call too (PyTorch's fbgemm dynamic int8 linear): the fast one, and far from "
+            "the policy on SmolLM2-135M (bench/int8_kernels.py: per-token KL 0.28 against bf16's 0.001). "
+            "'int8_weight_only': activations as they are, the weights' rounding alone (KL 0.005), at the copy's "
+            "own speed (PyTorch has no faster CPU kernel for it). The sampler's log-probs are the quantized "
+            "copy's, so sampler/* shows the mismatch and sampler_is_cap / off_policy_mask_threshold correct for "
+            "it. None (default): the copy multiplies in generation_dtype. With vLLM use vLLM's own quantization "
+            "(vllm_engine_kwargs)."
+        },
+    )
 
     # ---- Logging and faults ----------------------------------------------------------------------
     log_completions: bool = field(
@@ -233,6 +264,7 @@ class GRPOConfig(
         self._check_loss_settings()
         # Then the checks across sections, in this order.
         self.check_generation_settings()  # first: it resolves use_vllm, which the loss checks read
+        self._check_rollout_quantization()
         self.check_loss_combinations()
         self._resolve_generation_batch()
         self.check_async_settings()
@@ -292,6 +324,8 @@ class GRPOConfig(
     def _check_own_settings(self) -> None:
         """The settings declared in this file: model loading, speed, logging and faults."""
         check_choices(self, (("generation_backend", GENERATION_BACKENDS),))
+        if self.token_budget is not None and self.token_budget <= 0:  # TRL's "<= 0 disables"
+            self.token_budget = None
         if self.generation_dtype not in (None, "bfloat16", "float16", "float32"):
             raise ValueError(
                 f"generation_dtype={self.generation_dtype!r}: use 'bfloat16', 'float16' or 'float32'."
@@ -313,6 +347,32 @@ class GRPOConfig(
             ),
         ]
         check_ranges(checks)
+
+    def _check_rollout_quantization(self) -> None:
+        """rollout_quantization: a known kind, and where its int8 kernels run (after use_vllm is resolved)."""
+        if self.rollout_quantization is None:
+            return
+        if self.rollout_quantization not in ROLLOUT_QUANTIZATIONS:
+            raise ValueError(
+                f"rollout_quantization={self.rollout_quantization!r}: use one of {ROLLOUT_QUANTIZATIONS}, or None."
+            )
+        if self.use_vllm:
+            raise ValueError(
+                "rollout_quantization quantizes grpo-hf's own sampler; vLLM quantizes with its own setting: unset "
+                "rollout_quantization and pass vllm_engine_kwargs={'quantization': 'fp8'} (colocate) or start the "
+                "server with --quantization fp8."
+            )
+        if not self.use_cpu and torch.cuda.is_available():
+            raise ValueError(
+                f"rollout_quantization={self.rollout_quantization!r} runs on a CPU (PyTorch's fbgemm int8 kernels), "
+                "and this run trains on a GPU: unset rollout_quantization (or use vLLM with its own quantization)."
+            )
+        if self.generation_backend not in QUANTIZED_DECODERS:
+            raise ValueError(
+                f"rollout_quantization={self.rollout_quantization!r} decodes with generation_backend in "
+                f"{QUANTIZED_DECODERS}, not "
+                f"{self.generation_backend!r}; set generation_backend='auto' or unset rollout_quantization."
+            )
 
     def check_loss_combinations(self) -> None:
         """Errors for loss and importance-sampling settings that contradict each other, warnings for

@@ -13,7 +13,7 @@
   dataloader workers started by spawn or forkserver can unpickle it).
 - `round_batch` / `split_batch` / `trim_padding` / `padded_to_multiple`: a generation batch's
   tensors cut into micro-batches with no all-padding columns (or, with `pad_to_multiple_of`,
-  widths kept at multiples).
+  widths kept at multiples). `token_budget` cuts and deals its rows by tokens: `data.token_budget`.
 """
 
 import logging
@@ -337,7 +337,7 @@ def trim_padding(batch: dict[str, torch.Tensor], multiple: int | None = None) ->
     out = dict(batch)
     out["input_ids"] = batch["input_ids"][:, first : prompt_width + last]
     out["attention_mask"] = attention[:, first : prompt_width + last]
-    for key in ("completion_mask", "sampler_logps"):  # the per-completion-token columns
+    for key in ("completion_mask", "sampler_logps", "old_logps", "ref_logps"):  # per completion token
         if key in batch:
             out[key] = batch[key][:, :last]
     return out

@@ -13,6 +13,7 @@ knows which path answered. Modules:
 - `fixed_shape`: shape buckets, the static buffers and the CUDA graph capture of a decoding step;
 - `cpu`: what this CPU computes natively, and oneDNN's blocked-weight matmul with its fallback;
 - `generation_copy`: the low-precision, LoRA-merged copy generation samples from;
+- `quantization`: that copy's matmuls on int8 weights (`rollout_quantization`);
 - `logprobs`, `packing`, `attention`, `token_scores`: the padding-free loss passes and the chunked
   log-softmax.
 """

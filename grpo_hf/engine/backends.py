@@ -27,24 +27,39 @@ def local_method(settings: GenerationSettings) -> str:
 def generation_copy_for(
     settings: GenerationSettings, model: nn.Module, sharded: bool, method: str
 ) -> GenerationCopy | None:
-    """A plain copy to sample from: in generation_dtype (or bf16 under --bf16), and with LoRA always.
+    """A plain copy to sample from: in generation_dtype (or bf16 under --bf16), and with LoRA or
+    rollout_quantization always.
 
     With LoRA the copy holds the adapters merged, so a Llama decodes through `LlamaDecoder` on
     plain weights instead of the PEFT model's forward (a float32 round of the bench workload on an
-    AVX2 CPU: docs/design/cpu-performance.md); it costs one more copy of the weights in that dtype.
+    AVX2 CPU: docs/design/cpu-performance.md); it costs one more copy of the weights in that dtype
+    (and with rollout_quantization='int8' their int8 form beside it).
     """
-    if sharded and settings.generation_dtype is not None:
+    copy_setting = next(
+        (
+            name
+            for name in ("generation_dtype", "rollout_quantization")
+            if getattr(settings, name) is not None
+        ),
+        None,
+    )
+    if sharded and copy_setting is not None:
         raise ValueError(
-            "generation_dtype needs the whole model on each process; unset it under FSDP/DeepSpeed."
+            f"{copy_setting} needs the whole model on each process; unset it under FSDP/DeepSpeed."
         )
     if sharded:
         return None
     model_dtype = next(model.parameters()).dtype
     name = settings.generation_dtype or ("bfloat16" if settings.bf16 else None)
     dtype = getattr(torch, name) if name else model_dtype
-    if dtype == model_dtype and not is_peft_model(model):
+    if dtype == model_dtype and not is_peft_model(model) and settings.rollout_quantization is None:
         return None
-    return GenerationCopy(model, dtype, decode_attention=method != "continuous_batching")
+    return GenerationCopy(
+        model,
+        dtype,
+        decode_attention=method != "continuous_batching",
+        quantization=settings.rollout_quantization,
+    )
 
 
 def build_generator(

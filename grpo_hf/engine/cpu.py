@@ -16,6 +16,7 @@ uses it to run the precision-dependent tests as on the other kind of CPU.
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,18 +112,22 @@ class BlockedWeights:
     """
 
     def __init__(self):
-        self.entries: dict[tuple[int, ...], tuple] = {}  # ids -> (weights, stamp, BlockedLinear)
+        self.entries: dict[tuple, tuple] = {}  # (maker, ids) -> (weights, stamp, linear)
 
-    def reorder(self, groups: list[tuple[torch.Tensor, ...]], rows: int) -> list[BlockedLinear]:
-        """x @ cat(group).T for each group of weights; entries of weights not asked for are dropped."""
+    def reorder(
+        self, groups: list[tuple[torch.Tensor, ...]], rows: int, makers: list[Callable] | None = None
+    ) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """x @ cat(group).T for each group of weights, as `BlockedLinear`s, or as what each group's
+        maker (`makers`, called as `BlockedLinear` is: joined weight, rows) builds; entries of
+        weights not asked for are dropped."""
         entries, linears = {}, []
-        for weights in groups:
-            key = tuple(id(weight) for weight in weights)  # unique while the entry holds the weights
+        for weights, make in zip(groups, makers or [BlockedLinear] * len(groups), strict=True):
+            key = (make, *(id(weight) for weight in weights))  # unique while the entry holds the weights
             stamp = weights_stamp(weights)
             cached = self.entries.get(key)
             if cached is None or cached[1] != stamp or any(weight.requires_grad for weight in weights):
                 joined = torch.cat(weights) if len(weights) > 1 else weights[0]
-                cached = (weights, stamp, BlockedLinear(joined, rows))
+                cached = (weights, stamp, make(joined, rows))
             entries[key] = cached
             linears.append(cached[2])
         self.entries = entries

@@ -41,6 +41,7 @@ from grpo_hf.engine.model_forward import (
     static_cache_problem,
     whole_local_weights,
 )
+from grpo_hf.engine.quantization import is_quantized
 
 
 def is_plain_llama(model: nn.Module) -> bool:
@@ -107,6 +108,14 @@ def _matmul_weights(model: nn.Module, head: torch.Tensor) -> list[tuple[torch.Te
     return [*groups, (head,)]
 
 
+def _matmul_makers(model: nn.Module, groups: int) -> list[type]:
+    """How each of the `groups` matmuls of `_matmul_weights` multiplies: as its layer's `int8_matmul`
+    where `quantization.quantize_linears` quantized it (a float32 LM head stays float), else on
+    oneDNN's blocked weights (`BlockedLinear`)."""
+    layers = getattr(model.model.layers[0].self_attn.q_proj, "int8_matmul", BlockedLinear)
+    return [layers] * (groups - 1) + [getattr(model.lm_head, "int8_matmul", BlockedLinear)]
+
+
 class LlamaDecoder:
     """Prefill and decoding steps of a `LlamaForCausalLM` on its weights, with a float32 KV cache.
 
@@ -131,8 +140,9 @@ class LlamaDecoder:
 
     def _linears(self, rows: int) -> list:
         """The step's matmuls in `_matmul_weights`' order, as callables x -> x @ W.T, for `rows` rows."""
+        groups = _matmul_weights(self.model, self.head_weight)
         blocked = _BLOCKED_WEIGHTS.setdefault(self.model, BlockedWeights())
-        return blocked.reorder(_matmul_weights(self.model, self.head_weight), rows)
+        return blocked.reorder(groups, rows, _matmul_makers(self.model, len(groups)))
 
     def _new_cache(self, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each layer's keys and values, (B, KV, P + N, D) float32."""
@@ -344,6 +354,10 @@ FORWARD_STATIC = ("transformers_static", "transformers_compiled")
 STATIC_DECODERS = (*LLAMA_STATIC, *FORWARD_STATIC)
 COMPILED_DECODERS = ("llama_compiled", "transformers_compiled")
 FIXED_SHAPE_DECODERS = (StaticLlamaDecoder, StaticForwardDecoder)
+# The decoders that multiply by a quantized model's int8 weights (`quantization`): the CPU's. The
+# static Llama decoder joins the raw weights into plain matmuls, and torch.compile does not trace
+# the int8 kernel.
+QUANTIZED_DECODERS = ("auto", "llama", "transformers", "transformers_static")
 
 
 def decoder_for(
@@ -363,6 +377,11 @@ def decoder_for(
     """
     if backend not in DECODERS:
         raise ValueError(f"generation_backend={backend!r} is not one of {DECODERS}.")
+    if backend not in QUANTIZED_DECODERS and is_quantized(model):
+        raise ValueError(
+            f"generation_backend={backend!r} does not decode int8 weights (rollout_quantization); use one of "
+            f"{QUANTIZED_DECODERS}, or unset rollout_quantization."
+        )
     plain_llama = is_plain_llama(model)
     if backend in ("llama", *LLAMA_STATIC) and not plain_llama:
         raise ValueError(

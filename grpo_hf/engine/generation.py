@@ -87,6 +87,7 @@ class GenerationSettings:
 
     generation_backend: str  # 'vllm', or our decoder's choice (`decoding.DECODERS`)
     generation_dtype: str | None
+    rollout_quantization: str | None  # 'int8': the generation copy's weights in int8 (`quantization`)
     bf16: bool
     cache_implementation: str | None
     generation_kwargs: dict

@@ -10,7 +10,9 @@ generation round: merged LoRA layers, and every other parameter that trains (PEF
 from the policy, as when a separate inference engine generates. `policy_weights` is the one place
 that names the policy's weights as the plain model does (LoRA merged), for this copy and for vLLM.
 
-A Llama-architecture copy decodes through `decoding.LlamaDecoder`. Other models decode through
+With `rollout_quantization` ('int8', 'int8_weight_only') the copy's matmuls take its weights
+rounded to int8 (`quantization`): the sampler then differs from the policy by more than bf16's
+rounding, which the sampler's log-probs record. A Llama-architecture copy decodes through `decoding.LlamaDecoder`. Other models decode through
 their own forward, where the attention of one query token is `attention.grouped_attention`
 (float32, no per-head copies of the cache); longer queries (the prompt prefill) go to SDPA.
 """
@@ -27,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from grpo_hf.engine.attention import bias_from, grouped_attention
+from grpo_hf.engine.quantization import quantize_linears
 from grpo_hf.models.policy import Float32Head, is_peft_model
 
 DECODE_ATTENTION = "grpo_hf_decode"
@@ -93,9 +96,17 @@ def policy_weights(policy: nn.Module, trained_only: bool = False) -> Iterator[tu
 class GenerationCopy:
     """The policy's weights in `dtype`, as a plain model for `local.generate`."""
 
-    def __init__(self, policy: nn.Module, dtype: torch.dtype, decode_attention: bool = True):
+    def __init__(
+        self,
+        policy: nn.Module,
+        dtype: torch.dtype,
+        decode_attention: bool = True,
+        quantization: str | None = None,
+    ):
         """`decode_attention`: one query token's attention in float32 (`decode_attention`) for our
-        decoding loop; False keeps the model's own (transformers' continuous batching needs it)."""
+        decoding loop; False keeps the model's own (transformers' continuous batching needs it).
+        `quantization` (`rollout_quantization`: 'int8', 'int8_weight_only'): the copy's matmuls take
+        its weights in int8 (`quantization.quantize_linears`), rounded again after each `refresh`."""
         self.policy = policy
         self._peft = is_peft_model(policy)
         self.model = copy.deepcopy(policy).merge_and_unload() if self._peft else copy.deepcopy(policy)
@@ -104,6 +115,8 @@ class GenerationCopy:
         for module in self.model.modules():  # cast_lm_head_to_fp32: an untied head's weight stays float32
             if isinstance(module, Float32Head) and module.weight is not embedding:
                 module.float()
+        if quantization is not None:
+            quantize_linears(self.model, quantization)
         if decode_attention and getattr(self.model, "_supports_attention_backend", False):
             self.model.set_attn_implementation(DECODE_ATTENTION)
         self._targets = dict(self.model.named_parameters())

@@ -21,6 +21,7 @@ from accelerate.utils import gather_object
 from transformers import TrainerCallback
 
 from grpo_hf.algorithm.advantages import combine_rewards, group_std_is_zero, nan_std
+from grpo_hf.algorithm.sampler_correction import sampler_metrics
 from grpo_hf.data.rollout import ScoredRound
 
 
@@ -151,7 +152,9 @@ MAXED_METRICS = frozenset(
         "sample/staleness_max",
     }
 )
-MINNED_METRICS = frozenset({"clip_ratio/low_min", "sampling/importance_sampling_ratio/min"})
+MINNED_METRICS = frozenset(
+    {"clip_ratio/low_min", "sampler/ratio_min", "sampling/importance_sampling_ratio/min"}
+)
 # Loss metrics recorded once per micro-step (`record`), not as token means: the loss before the
 # entropy bonus and MoE's router loss (means of micro-step values, as `loss` is, and as TRL logs
 # `aux_loss`) and the extremes.
@@ -173,6 +176,40 @@ def micro_step_values(
     return once, values, tokens
 
 
+def loss_values(
+    metrics: dict[str, torch.Tensor], old: torch.Tensor, inputs: dict, sampler_weights: torch.Tensor | None
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """A loss pass's metrics on the host (`micro_step_values`: one transfer, not one `.item()`, a device
+    sync, each) with, for completions whose sampler log-probs were recorded, how far the sampler is
+    from pi_old (`sampler_correction.sampler_metrics`; `old` (B, C) pi_old, `sampler_weights` the
+    correction's weights or None)."""
+    mask = inputs["completion_mask"]  # (B, C)
+    if "sampler_logps" in inputs:
+        metrics = metrics | sampler_metrics(old, inputs["sampler_logps"], mask, sampler_weights)
+    return micro_step_values(metrics, mask)
+
+
+def combined_pass_values(
+    passes: list[tuple[dict[str, float], dict[str, float], float]],
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """A micro-step's `micro_step_values` from those of its passes (`token_budget`): the values
+    recorded once summed (each pass's loss is its share of the micro-batch's), the extremes the
+    largest / smallest, the token means weighted by the passes' tokens."""
+    if len(passes) == 1:
+        return passes[0]
+    tokens = sum(count for _, _, count in passes)
+    once: dict[str, float] = {}
+    for values, _, _ in passes:
+        for key, value in values.items():
+            pick = max if key in MAXED_METRICS else min if key in MINNED_METRICS else lambda a, b: a + b
+            once[key] = value if key not in once else pick(once[key], value)
+    means = {
+        key: sum(values[key] * count for _, values, count in passes) / max(tokens, 1.0)
+        for key in passes[0][1]
+    }
+    return once, means if tokens else passes[0][1], tokens
+
+
 class IntervalMetrics:
     """The metric records of the current logging interval, for "train" and "eval" apart.
 
@@ -180,7 +217,7 @@ class IntervalMetrics:
     of its records over the interval and the processes, NaN records left out (a metric with none
     left is not logged; TRL logs None), except the counts in COUNTED_METRICS (summed over the
     interval), the extremes in MAXED_METRICS / MINNED_METRICS, the running totals in LATEST_METRICS,
-    and token means (`record_token_means`: kl, entropy, clip_ratio/*, sampler/ratio_mean), means over
+    and token means (`record_token_means`: kl, entropy, clip_ratio/*, sampler/ratio_mean, sampler/kl), means over
     every token of the interval on every process rather than means of per-micro-batch means.
     """
 

@@ -1,0 +1,176 @@
+"""Low-precision rollouts: the sampler's matmuls on int8 weights (`rollout_quantization`).
+
+Decoding a few rows at a time reads every weight once per token, so a step costs about what its
+weights weigh: int8 weights are half the bytes of bf16 ones and a quarter of float32 ones. Each
+weight is rounded per output channel (row): scale = max |w_row| / 127, q = round(w / scale) in
+[-127, 127], w ~ q * scale. Two kinds:
+
+- 'int8' (`Int8Matmul`): PyTorch's dynamic int8 linear (`torch.ops.quantized.linear_dynamic`,
+  fbgemm): the activations rounded to 7-bit integers at each call, one scale per call (over all
+  its rows), int32 sums, the weight scales applied on the way out. 7 bits (`reduce_range`, as
+  `quantize_dynamic` does on x86): without VNNI (AVX2) fbgemm's 8-bit products can saturate its
+  16-bit sums. The fastest int8 path PyTorch 2.13 and torchao 0.18 offer on a CPU
+  (`bench/int8_kernels.py`; 2 threads, AVX-512-BF16 + VNNI EPYC, loaded machine, best of 30):
+  the LM head's 16 x 576 -> 49,152 took 2.1 ms against 8.0 ms for the bf16 product on oneDNN's
+  blocked weights that decoding runs today; `aten._weight_int8pack_mm` (int8 weights, bf16
+  activations) 32 ms, `torch._int_mm` with per-row activations 12 ms, torchao's
+  `Int8DynamicActivationInt8WeightConfig` 105 ms. But rounding the activations moves the sampler
+  far from the policy on SmolLM2-135M, whose activations have outlier channels: per-token
+  KL(policy || sampler) over decoding steps 0.28, against 0.001 for the bf16 copy (the same script).
+- 'int8_weight_only' (`Int8WeightOnlyMatmul`): the weights' rounding alone (KL 0.005), multiplied
+  in the copy's dtype by the dequantized weights: an int8 weight-only sampler's precision at the
+  copy's own speed, since PyTorch's weight-only kernel is slower than that.
+
+Where fbgemm is missing (a build without it, an ARM CPU) or misbehaves, 'int8' falls back to
+'int8_weight_only''s product. Only this AVX-512 CPU with VNNI was measured; fbgemm has AVX2 kernels.
+
+The sampler's log-probs come from the quantized model, so the loss's importance weights against
+the sampler (`sampler_is_cap`, `off_policy_mask_threshold`) and the `sampler/*` metrics see the
+difference. `quantize_linears` turns a model's `nn.Linear` and GPT-2 `Conv1D` layers into their
+quantized kinds in place: they keep their float weights (the generation copy refreshes those, as
+before), and take their int8 form again whenever a weight changed (`cpu.weights_stamp`).
+"""
+
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from grpo_hf.engine.cpu import BlockedLinear, weights_stamp
+from grpo_hf.models.policy import Float32Head
+
+INT8_MAX = 127
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) weight -> (N, K) int8 q and (N,) float32 scales with weight ~ q * scale[:, None].
+
+    Symmetric, one scale per output channel: max |w_row| / 127, so each row's largest entry maps
+    to +-127. An all-zero row gets scale 1 (its q is 0 whatever the scale).
+    """
+    weight = weight.detach().float()  # (N, K)
+    scale = weight.abs().amax(dim=1) / INT8_MAX  # (N,)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(weight / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)  # (N, K)
+    return q, scale
+
+
+def _prepacked(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fbgemm's packed form of the per-channel int8 weight q * scale."""
+    zero_points = torch.zeros(scale.shape, dtype=torch.long)
+    with warnings.catch_warnings():  # quantized tensors are deprecated; this one lives only for the packing
+        warnings.simplefilter("ignore", UserWarning)
+        quantized = torch._make_per_channel_quantized_tensor(q, scale.double(), zero_points, 0)
+        return torch.ops.quantized.linear_prepack(quantized, None)
+
+
+@functools.cache
+def int8_kernel_supported() -> bool:
+    """Whether PyTorch's dynamic int8 linear runs here (x86 fbgemm), checked on one small product
+    against the float product of the same rounded weights."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    weight = torch.linspace(-1, 1, 64).view(8, 8)
+    x = torch.linspace(1, -1, 16).view(2, 8)
+    q, scale = quantize_per_channel(weight)
+    try:
+        product = torch.ops.quantized.linear_dynamic(x, _prepacked(q, scale), True)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return torch.allclose(product, F.linear(x, q.float() * scale[:, None]), atol=0.05)
+
+
+class Int8Matmul:
+    """x (rows, in) -> x @ W.T for a fixed (out, in) weight W held in int8 with per-channel scales,
+    x rounded to int8 at each call (`rollout_quantization='int8'`).
+
+    On PyTorch's dynamic int8 linear where it runs (`int8_kernel_supported`); elsewhere x stays as it
+    is, multiplied in W's dtype by the dequantized weight (on oneDNN's blocked layout where it can,
+    `cpu.BlockedLinear`, sized for `rows`). The result has x's dtype. CPU only.
+    """
+
+    rounds_activations = True
+
+    def __init__(self, weight: torch.Tensor, rows: int = 1):
+        if weight.device.type != "cpu":
+            raise ValueError(
+                f"rollout_quantization runs on a CPU; this weight is on {weight.device.type}. Unset "
+                "rollout_quantization."
+            )
+        q, scale = quantize_per_channel(weight)
+        self.fast = self.rounds_activations and int8_kernel_supported()
+        if self.fast:
+            self.weight = _prepacked(q, scale)
+        else:
+            self.linear = BlockedLinear((q.float() * scale[:, None]).to(weight.dtype), rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast:
+            return torch.ops.quantized.linear_dynamic(x.float(), self.weight, True).to(x.dtype)
+        return self.linear(x)
+
+
+class Int8WeightOnlyMatmul(Int8Matmul):
+    """x @ W.T with W rounded to int8 per channel and x as it is (`rollout_quantization=
+    'int8_weight_only'`): an int8 weight-only sampler's precision, multiplied in W's dtype by the
+    dequantized weight, so at the speed of the unquantized copy. PyTorch 2.13's int8 weight-only CPU
+    kernel, `aten._weight_int8pack_mm`, took 2 to 4 times as long as the bf16 product on blocked
+    weights on decoding's shapes (`bench/int8_kernels.py`), so it is not used."""
+
+    rounds_activations = False
+
+
+class _Int8Forward:
+    """The forward of a quantized layer: its (out, in) weight as its `int8_matmul` (`Int8Matmul` or
+    `Int8WeightOnlyMatmul`, set by `quantize_linears`), made again when the weight changed, then the
+    bias in float."""
+
+    int8_matmul: type[Int8Matmul] = Int8Matmul
+
+    def _int8_product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        stamp = weights_stamp((self.weight,))
+        cached = getattr(self, "_int8", None)
+        # A weight that requires grad may be written without a version bump (fused AdamW): rounded anew.
+        if cached is None or cached[0] != stamp or self.weight.requires_grad:
+            cached = self._int8 = (stamp, self.int8_matmul(weight))
+        out = cached[1](x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)  # (..., out)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+class QuantizedLinear(_Int8Forward, nn.Linear):
+    """An `nn.Linear` whose forward multiplies by its weight in int8 (`Int8Matmul`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._int8_product(x, self.weight)
+
+
+class QuantizedConv1D(_Int8Forward, Conv1D):
+    """GPT-2's `Conv1D` (x @ W + b, W (in, out)) multiplying by its weight in int8."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._int8_product(x, self.weight.t())
+
+
+MATMULS = {"int8": Int8Matmul, "int8_weight_only": Int8WeightOnlyMatmul}  # by rollout_quantization
+ROLLOUT_QUANTIZATIONS = tuple(MATMULS)
+
+
+def quantize_linears(model: nn.Module, quantization: str = "int8") -> nn.Module:
+    """Turn `model`'s `nn.Linear` and `Conv1D` layers into `QuantizedLinear` / `QuantizedConv1D`
+    multiplying as `quantization` says (a key of `MATMULS`), in place (same parameters, ties kept).
+    A float32 LM head (`cast_lm_head_to_fp32`) stays as it is: it was asked for in float32."""
+    kinds = {nn.Linear: QuantizedLinear, Conv1D: QuantizedConv1D}
+    for module in model.modules():
+        kind = kinds.get(type(module))
+        if kind is not None and not isinstance(module, Float32Head):
+            module.__class__ = kind
+            module.int8_matmul = MATMULS[quantization]
+    return model
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether `quantize_linears` quantized `model` (its decoders then multiply in int8 too)."""
+    return any(isinstance(module, _Int8Forward) for module in model.modules())
