@@ -45,6 +45,8 @@ from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import get_json_schema
 
+from grpo_hf.data.tool_results import tool_error
+
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
@@ -271,11 +273,6 @@ def run_tool_calls(calls: list[ToolCall], tools: dict[str, Callable], timeout: f
     return [_run_with_timeout(call, tools, timeout) for call in calls]
 
 
-def is_tool_error(message: dict) -> bool:
-    """Whether a tool message reports a failed call (`{"error": ...}`, from `run_tool_calls` or the tool)."""
-    return str(message.get("content")).startswith('{"error": ')
-
-
 def run_episode_calls(
     calls: list[list[ToolCall]], tools: list[dict[str, Callable]], timeout: float
 ) -> list[list[ToolResult]]:
@@ -323,7 +320,7 @@ def _run_with_timeout(call: ToolCall, tools: dict[str, Callable], timeout: float
     try:
         content, failed = call_with_timeout(lambda: _run(call, tools), timeout, call.name)
     except CallTimeout as err:
-        return ToolResult(_tool_message(call, _error(f"{err}.")), True, True)
+        return ToolResult(_tool_message(call, tool_error(f"{err}.")), True, True)
     return ToolResult(_tool_message(call, content), failed)
 
 
@@ -331,21 +328,17 @@ def _tool_message(call: ToolCall, content: str) -> dict:
     return {"role": "tool", "name": call.name, "content": content}
 
 
-def _error(reason: str) -> str:
-    return json.dumps({"error": reason})
-
-
 def _run(call: ToolCall, tools: dict[str, Callable]) -> tuple[str, bool]:
     """The call's result as text, and whether it failed."""
     if call.error is not None:
-        return _error(call.error), True
+        return tool_error(call.error), True
     tool = tools.get(call.name)
     if tool is None:
-        return _error(f"unknown tool {call.name!r}; the tools are {sorted(tools)}."), True
+        return tool_error(f"unknown tool {call.name!r}; the tools are {sorted(tools)}."), True
     try:
         inspect.signature(tool).bind(**call.arguments)
     except TypeError as err:
-        return _error(f"wrong arguments for {call.name}: {err}."), True
+        return tool_error(f"wrong arguments for {call.name}: {err}."), True
     except ValueError:  # no signature to check against (a builtin): let the call tell
         pass
     try:
@@ -354,7 +347,7 @@ def _run(call: ToolCall, tools: dict[str, Callable]) -> tuple[str, bool]:
         else:
             result = tool(**call.arguments)
     except Exception as err:  # a tool failing on the policy's input is feedback, not a crash
-        return _error(f"{call.name} raised {type(err).__name__}: {err}"), True
+        return tool_error(f"{call.name} raised {type(err).__name__}: {err}"), True
     return (result if isinstance(result, str) else json.dumps(result, default=str)), False
 
 
