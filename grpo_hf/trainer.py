@@ -39,7 +39,7 @@ from grpo_hf.algorithm import masks
 from grpo_hf.algorithm.advantages import batch_advantages
 from grpo_hf.algorithm.loss import adaptive_beta, dapo_normalizers, grpo_loss
 from grpo_hf.algorithm.masks import gather_ragged, policy_weights
-from grpo_hf.algorithm.sampler_correction import sampler_metrics
+from grpo_hf.algorithm.sampler_correction import on_policy_support, sampler_metrics
 from grpo_hf.config.async_grpo_config import trl_async_arguments
 from grpo_hf.config.grpo_config import GRPOConfig, default_output_dir
 from grpo_hf.data import rollout
@@ -58,7 +58,7 @@ from grpo_hf.data.rollout import ScoredRound
 from grpo_hf.data.streaming import extra_prompt_source, group_stream, read_in_process
 from grpo_hf.engine import precision_line
 from grpo_hf.engine.backends import build_generator
-from grpo_hf.engine.logprobs import completion_logps
+from grpo_hf.engine.logprobs import TokenScores, completion_logps
 from grpo_hf.episodes.async_rounds import async_rounds, stopping
 from grpo_hf.episodes.dynamic_sampling import ExtraRounds, trainer_dynamic_sampling
 from grpo_hf.episodes.environments import (
@@ -376,17 +376,19 @@ class GRPOTrainer(Trainer):
         batch = trim_padding(batch, self.args.pad_to_multiple_of)
         batch["dapo_normalizer"] = normalizer
         with torch.no_grad(), self.compute_loss_context_manager():  # the loss's precision (bf16 autocast)
-            if self.needs_old_logps():
-                batch["old_logps"] = self.completion_logps(self.model_wrapped, batch)[0]
+            if self.needs_old_logps():  # the sampler's log-probs go on pi_old's support where it is scored
+                old = self.completion_logps(self.model_wrapped, batch)
+                batch = on_policy_support(batch | {"old_logps": old.logps}, old.kept_log_mass)
             if self.beta > 0:
                 with reference_context(self.model, self.ref_model) as ref:
-                    batch["ref_logps"] = self.completion_logps(ref, batch)[0]
+                    batch["ref_logps"] = self.completion_logps(ref, batch, replay=False)[0]
         return batch
 
     def completion_logps(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], with_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, C) log-probs of the batch's completion tokens under `model` (and their entropy)."""
+        self, model: nn.Module, batch: dict[str, Tensor], with_entropy: bool = False, replay: bool = True
+    ) -> TokenScores:
+        """(B, C) log-probs of the batch's completion tokens under `model` (their entropy; with `replay`,
+        the policy's passes, the mass the sampler's truncation keeps: `renormalize_truncated_sampling`)."""
         return completion_logps(
             model,
             batch["input_ids"],
@@ -396,6 +398,7 @@ class GRPOTrainer(Trainer):
             with_entropy=with_entropy,
             gradient_checkpointing=self.args.gradient_checkpointing,
             entropy_grad=self.entropy_control.applied() != 0,  # otherwise a metric: no gradient needed
+            truncation=self.loss_settings.sampler_truncation if replay else None,
         )
 
     def needs_old_logps(self) -> bool:
@@ -427,8 +430,9 @@ class GRPOTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         with self.router_aux.recording() as routed:  # MoE router logits, when their loss is on
-            logps, entropy = self.completion_logps(model, inputs, with_entropy=True)  # (B, C), (B, C)
+            logps, entropy, kept = self.completion_logps(model, inputs, with_entropy=True)  # (B, C) each
         old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C) pi_old
+        inputs = inputs if "old_logps" in inputs else on_policy_support(inputs, kept)  # on its support
         gather = functools.partial(gather_ragged, self.accelerator)
         weights = policy_weights(self.loss_settings, logps, entropy, old, inputs, gather)
         loss, metrics = grpo_loss(
