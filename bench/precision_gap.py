@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         for name, dtype in (("ours_fp32", None), ("ours_bf16_autocast", torch.bfloat16)):
             with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
-                ours, _ = completion_logps(model, result.input_ids, result.attention_mask, width, 1.0)
+                ours, _, _ = completion_logps(model, result.input_ids, result.attention_mask, width, 1.0)
             passes[name] = gaps(ours.float(), result.sampler_logps, result.completion_mask)
     lengths = result.completion_mask.sum(dim=1).float()
     report = {

@@ -40,6 +40,7 @@ from grpo_hf.algorithm import masks
 from grpo_hf.algorithm.advantages import batch_advantages
 from grpo_hf.algorithm.loss import adaptive_beta, dapo_normalizers, grpo_loss
 from grpo_hf.algorithm.masks import gather_ragged, policy_weights
+from grpo_hf.algorithm.sampler_correction import on_policy_support
 from grpo_hf.config.async_grpo_config import trl_async_arguments
 from grpo_hf.config.grpo_config import GRPOConfig, default_output_dir
 from grpo_hf.data import batches, rollout
@@ -47,7 +48,7 @@ from grpo_hf.data.rollout import ScoredRound
 from grpo_hf.data.streaming import extra_prompt_source, group_stream, read_in_process
 from grpo_hf.engine import precision_line
 from grpo_hf.engine.backends import build_generator
-from grpo_hf.engine.logprobs import completion_logps
+from grpo_hf.engine.logprobs import TokenScores, completion_logps
 from grpo_hf.episodes.async_rounds import async_rounds, stopping
 from grpo_hf.episodes.dynamic_sampling import ExtraRounds, trainer_dynamic_sampling
 from grpo_hf.episodes.environments import (
@@ -314,7 +315,7 @@ class GRPOTrainer(Trainer):
         batch = batches.round_batch(scored.result, advantages, args.mask_truncated_completions)
         if args.token_budget is not None:  # rows dealt to processes, old / reference passes cut, by tokens
             batch = passes.balanced_round(self, batch)
-            batch |= passes.round_logps(self, batch, args.token_budget)
+            batch = passes.round_logps(self, batch, args.token_budget)
         parts = batches.split_batch(batch, args.steps_per_generation if self.model.training else 1)
         counts = torch.stack([part["completion_mask"].sum() for part in parts]).float()  # (S,)
         counts = self.accelerator.gather(counts).view(self.accelerator.num_processes, -1)  # (P, S)
@@ -386,13 +387,14 @@ class GRPOTrainer(Trainer):
         batch = batches.trim_padding(batch, self.args.pad_to_multiple_of)
         batch["dapo_normalizer"] = normalizer
         if self.args.token_budget is None:
-            batch |= passes.pass_logps(self, batch)
+            batch = passes.pass_logps(self, batch)
         return batch
 
     def completion_logps(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], with_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, C) log-probs of the batch's completion tokens under `model` (and their entropy)."""
+        self, model: nn.Module, batch: dict[str, Tensor], with_entropy: bool = False, replay: bool = True
+    ) -> TokenScores:
+        """(B, C) log-probs of the batch's completion tokens under `model` (their entropy; with `replay`,
+        the policy's passes, the mass the sampler's truncation keeps: `renormalize_truncated_sampling`)."""
         return completion_logps(
             model,
             batch["input_ids"],
@@ -402,6 +404,7 @@ class GRPOTrainer(Trainer):
             with_entropy=with_entropy,
             gradient_checkpointing=self.args.gradient_checkpointing,
             entropy_grad=self.entropy_control.applied() != 0,  # otherwise a metric: no gradient needed
+            truncation=self.loss_settings.sampler_truncation if replay else None,
         )
 
     def needs_old_logps(self) -> bool:
@@ -452,8 +455,9 @@ class GRPOTrainer(Trainer):
     def _pass_loss(self, model, inputs: dict) -> tuple[Tensor, tuple[dict, dict, float]]:
         """One pass's loss and its metric values (`metrics.loss_values`)."""
         with self.router_aux.recording() as routed:  # MoE router logits, when their loss is on
-            logps, entropy = self.completion_logps(model, inputs, with_entropy=True)  # (B, C), (B, C)
+            logps, entropy, kept = self.completion_logps(model, inputs, with_entropy=True)  # (B, C) each
         old = inputs["old_logps"] if "old_logps" in inputs else logps.detach()  # (B, C) pi_old
+        inputs = inputs if "old_logps" in inputs else on_policy_support(inputs, kept)  # on its support
         gather = functools.partial(gather_ragged, self.accelerator)
         weights = policy_weights(self.loss_settings, logps, entropy, old, inputs, gather)
         loss, metrics = grpo_loss(

@@ -316,3 +316,25 @@ def test_trl_recipe_hands_trl_what_the_run_changed(tmp_path):
         # sees no accelerator (TRL, given bf16 alone on a CPU, would refuse it for want of a GPU)
         assert given["bf16"] is native_bf16() and given["use_cpu"] is True
     assert "max_prompt_length" in missing and "precision" not in missing
+
+
+def test_truncated_sampling_bench_shows_the_kept_mass_leave_the_gradient(tmp_path):
+    """bench/truncated_sampling.py, one step at top_p=0.9: renormalised, the weights are 1 and both modes
+    give the same gradient; over the whole vocabulary each token's weight is its kept mass (about 0.9 on
+    the tiny model's flat distributions), and sequence_mask multiplies it over up to 16 tokens."""
+    bench = bench_module("truncated_sampling")
+    args = bench.parse_args(["--steps", "1"])
+    runs = {
+        (mode, renormalize): bench.run(mode, renormalize, args, str(tmp_path / f"{mode}{renormalize}"))[0]
+        for mode in bench.MODES
+        for renormalize in (True, False)
+    }
+    for mode in bench.MODES:
+        assert runs[mode, True]["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert runs["token_truncate", True]["grad_norm"] == pytest.approx(
+        runs["sequence_mask", True]["grad_norm"]
+    )
+    assert 0.85 < runs["token_truncate", False]["is_weight_mean"] < 0.95
+    assert runs["sequence_mask", False]["is_weight_mean"] < 0.5
+    whole = runs["sequence_mask", False]["grad_norm"] / runs["sequence_mask", True]["grad_norm"]
+    assert whole < 0.5  # most of the gradient gone

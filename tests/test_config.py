@@ -4,7 +4,7 @@ import pytest
 
 from grpo_hf.algorithm.loss import LossSettings
 from grpo_hf.algorithm.policy_terms import PolicySettings
-from grpo_hf.algorithm.sampler_correction import SamplerCorrection
+from grpo_hf.algorithm.sampler_correction import SamplerCorrection, Truncation
 from grpo_hf.config.grpo_config import GRPOConfig
 
 
@@ -140,13 +140,13 @@ def test_epsilon_high_follows_epsilon_unless_set(tmp_path):
 
 def test_loss_settings_carry_the_configs_values_typed(tmp_path):
     """The loss gets one typed object built from the config: every value as set, epsilon_high resolved
-    to epsilon, the vLLM-less correction from sampler_is_cap."""
+    to epsilon, the vLLM-less correction from sampler_is_cap, the truncation our decoder applies."""
     args = GRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], loss_type="grpo", epsilon=0.1,
         delta=2.0, sapo_temperature_neg=0.5, sapo_temperature_pos=0.6, vespo_k_pos=0.7, vespo_lambda_pos=0.8,
         vespo_k_neg=0.9, vespo_lambda_neg=1.1, kl_estimator="k2", use_bias_correction_kl=False,
         importance_sampling_level="sequence", max_completion_length=17, off_policy_mask_threshold=0.3,
-        top_entropy_quantile=0.5, sampler_is_cap=2.5,
+        top_entropy_quantile=0.5, sampler_is_cap=2.5, top_k=20, top_p=0.9,
     )  # fmt: skip
     assert args.loss_settings() == LossSettings(
         loss_type="grpo",
@@ -158,6 +158,7 @@ def test_loss_settings_carry_the_configs_values_typed(tmp_path):
         off_policy_mask_threshold=0.3,
         top_entropy_quantile=0.5,
         sampler_correction=SamplerCorrection("token_truncate", None, 2.5),
+        sampler_truncation=Truncation(top_k=20, top_p=0.9, min_p=0.0, min_p_first=False),
     )
 
 

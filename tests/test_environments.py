@@ -4,6 +4,7 @@ row's prompt with only its environment's tools, the instance pool, environments 
 
 import asyncio
 import json
+import sqlite3
 import threading
 import time
 
@@ -195,6 +196,49 @@ def test_environments_reach_reward_functions_and_trainer_environments(tmp_path):
     assert trainer.environments[0].seen == rows[0]
     assert trainer.contexts[0][0].endswith("What is 0 + 0?Count.<|im_end|>\n<|im_start|>assistant\n")
     assert scored.rewards_per_func.tolist() == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+
+
+class NotesEnv:
+    """Holds a sqlite3 connection made in __init__, which sqlite3 lets only the thread that made it use,
+    and uses it in reset, its tool and get_reward (an async one in `AsyncNotesEnv`)."""
+
+    def __init__(self):
+        self.db = sqlite3.connect(":memory:")
+        self.db.execute("CREATE TABLE notes (text TEXT)")
+
+    def reset(self, **kwargs) -> str:
+        self.db.execute("DELETE FROM notes")
+        return "Take notes."
+
+    def note(self, text: str) -> str:
+        """Writes a note down.
+
+        Args:
+            text: The note.
+        """
+        self.db.execute("INSERT INTO notes VALUES (?)", (text,))
+        return "noted"
+
+    def get_reward(self) -> float:
+        return float(self.db.execute("SELECT COUNT(*) FROM notes").fetchone()[0])
+
+
+class AsyncNotesEnv(NotesEnv):
+    async def get_reward(self) -> float:
+        return float(self.db.execute("SELECT COUNT(*) FROM notes").fetchone()[0])
+
+
+@pytest.mark.parametrize("env", [NotesEnv, AsyncNotesEnv], ids=["sync", "async"])
+def test_an_environment_holding_a_sqlite3_connection_works(tmp_path, env):
+    """Each instance's calls (its making, reset, tools, get_reward) run on one thread of its own, as
+    TRL's all run on the caller's; on a thread per call, sqlite3 refuses the connection."""
+    trainer = trainer_for(tmp_path, train_dataset=chat_dataset(2), environment_factory=env)
+    trainer.script = lambda context, i: call("note", text=f"row {i}") if not answered(context) else "ok"
+    rows = [chat_dataset(2)[0]] * 4
+    for _ in range(2):  # the second batch reuses the instances
+        scored = recorded_episodes(trainer, trainer._sample_and_score(rows))
+        assert scored.rewards_per_func[:, 0].tolist() == [1.0] * 4  # one note each, counted in get_reward
+    assert trainer.metrics.values["train"]["tools/failure_frequency"] == [0.0, 0.0]
 
 
 class AsyncCounterEnv(CounterEnv):

@@ -211,7 +211,7 @@ def test_transformers_engines_record_the_samplers_log_probs(tmp_path, kwargs):
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
     result = trainer._sample_and_score([trainer.train_dataset[i] for i in (0, 0, 1, 1)]).result
-    logps, _ = completion_logps(
+    logps, _, _ = completion_logps(
         trainer.model, result.input_ids, result.attention_mask, result.completion_ids.shape[1], 1.0
     )  # (B, C)
     mask = result.completion_mask.bool()

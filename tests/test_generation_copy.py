@@ -3,7 +3,7 @@
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from tiny_models import tiny_gpt2, tiny_llama, tiny_tokenizer
+from tiny_models import FAMILIES, tiny_family, tiny_gpt2, tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, length_reward, make_config
 from transformers import GenerationConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -129,6 +129,36 @@ def test_generation_copy_decodes_the_same_tokens_as_the_policy(build):
     ours = local.generate(copy, ids, mask, config).completion_ids
     theirs = local.generate(policy, ids, mask, config).completion_ids
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_samples_from_its_copy_and_trains_with_a_float32_head(tmp_path, family):
+    """A float32 copy of each family the README names greedily draws the policy's tokens with its
+    log-probs, in the attention transformers gives the family: ours for one query token where SDPA
+    computes the model's, else the model's own (Gemma 2's soft-capping, which SDPA refuses). Then
+    TRL's case: one step of bf16 generation with cast_lm_head_to_fp32."""
+    tokenizer, policy = tiny_tokenizer(), tiny_family(family).eval()
+    copy = GenerationCopy(policy, torch.float32).refresh()
+    texts = [
+        rollout.render_prompt(tokenizer, [{"role": "user", "content": t}])
+        for t in ("Hi", "A longer question?")
+    ]
+    ids, mask = rollout.tokenize_prompts(tokenizer, texts, None, torch.device("cpu"))
+    config = GenerationConfig(do_sample=False, max_new_tokens=10, pad_token_id=0, eos_token_id=[2])
+    ours, theirs = local.generate(copy, ids, mask, config), local.generate(policy, ids, mask, config)
+    assert torch.equal(ours.completion_ids, theirs.completion_ids)
+    torch.testing.assert_close(ours.sampler_logps, theirs.sampler_logps, rtol=1e-5, atol=1e-5)
+    own = policy.config._attn_implementation
+    assert copy.config._attn_implementation == (DECODE_ATTENTION if policy._supports_sdpa else own)
+    trainer = GRPOTrainer(
+        model=tiny_family(family),
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, max_steps=1, generation_dtype="bfloat16", cast_lm_head_to_fp32=True),
+        train_dataset=chat_dataset(),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1
 
 
 @torch.no_grad()

@@ -1,7 +1,9 @@
 """The import paths the docs and recipes document keep working after the package moved into
 folders: every name of `grpo_hf.__all__`, and the modules people import by name."""
 
+import ast
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +47,27 @@ def test_the_old_paths_are_the_new_modules_own_functions():
     assert old_loss.grpo_loss is loss.grpo_loss
     assert old_advantages.group_advantages is advantages.group_advantages
     assert old_sharding.unsharded_for_generation is sharding.unsharded_for_generation
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The grpo_hf modules a source file imports, anywhere in it."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {name for name in names if name.startswith("grpo_hf.")}
+
+
+def test_rewards_import_no_episode_engine_or_trainer():
+    """Rewards are plain functions the episodes call: the arrow goes one way (DESIGN's rooms)."""
+    rewards = Path(grpo_hf.__file__).parent / "rewards"
+    upward = ("grpo_hf.episodes", "grpo_hf.engine", "grpo_hf.trainer")
+    found = {
+        (path.name, name)
+        for path in rewards.glob("*.py")
+        for name in imported_modules(path)
+        if name.startswith(upward)
+    }
+    assert not found

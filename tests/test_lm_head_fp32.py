@@ -56,9 +56,9 @@ def test_fused_head_of_the_padding_free_pass_computes_in_float32(monkeypatch):
     calls = []
     original = logprobs.head_token_logps
 
-    def spy(hidden, weight, targets, temperature, with_entropy, dtype, entropy_grad=False):
+    def spy(hidden, weight, targets, temperature, with_entropy, dtype, entropy_grad=False, truncation=None):
         calls.append((hidden.detach(), weight.detach(), targets, dtype))
-        return original(hidden, weight, targets, temperature, with_entropy, dtype, entropy_grad)
+        return original(hidden, weight, targets, temperature, with_entropy, dtype, entropy_grad, truncation)
 
     monkeypatch.setattr(logprobs, "head_token_logps", spy)
     model = tiny_llama().to(torch.bfloat16)
@@ -66,7 +66,7 @@ def test_fused_head_of_the_padding_free_pass_computes_in_float32(monkeypatch):
         completion_logps(model, IDS, torch.ones_like(IDS), C)
     assert calls.pop()[3] == torch.bfloat16
     cast_lm_head_to_fp32(model)
-    logps, _ = completion_logps(model, IDS, torch.ones_like(IDS), C)  # (2, C)
+    logps, _, _ = completion_logps(model, IDS, torch.ones_like(IDS), C)  # (2, C)
     hidden, weight, targets, dtype = calls.pop()
     assert dtype == torch.float32 and weight.dtype == torch.float32
     # the packed row's first B positions are each row's first completion token, then the others
@@ -118,7 +118,7 @@ def test_unfused_pass_of_other_models_goes_through_the_float32_head():
     seen = []
     model.lm_head.register_forward_hook(lambda module, args, out: seen.append((args[0], out)))
     with torch.no_grad():
-        logps, _ = completion_logps(model, IDS, torch.ones_like(IDS), C)
+        logps, _, _ = completion_logps(model, IDS, torch.ones_like(IDS), C)
     assert logps.dtype == torch.float32
     for hidden, out in seen:
         assert hidden.dtype == torch.bfloat16 and out.dtype == torch.float32

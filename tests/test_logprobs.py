@@ -46,7 +46,7 @@ def test_completion_logps_match_a_full_forward(model):
     temperature = 0.7
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [20, 21, 22, 23, 24, 25, 26]])  # (2, 7)
     mask = torch.ones_like(ids)  # (2, 7)
-    logps, entropy = completion_logps(model, ids, mask, C, temperature, with_entropy=True)
+    logps, entropy, _ = completion_logps(model, ids, mask, C, temperature, with_entropy=True)
     with torch.no_grad():
         logits = model(input_ids=ids).logits  # (2, 7, V)
     # Position t predicts token t + 1: positions 3..5 predict the completion tokens 4..6.
@@ -58,15 +58,17 @@ def test_completion_logps_match_a_full_forward(model):
 
 def test_left_padded_row_equals_the_unpadded_row(model):
     pad = 0
-    alone, _ = completion_logps(model, PROMPT_AND_COMPLETION, torch.ones(1, 7, dtype=torch.long), C)  # (1, C)
+    alone, _, _ = completion_logps(
+        model, PROMPT_AND_COMPLETION, torch.ones(1, 7, dtype=torch.long), C
+    )  # (1, C)
     padded_ids = torch.tensor(
         [[pad, pad, 5, 6, 7, 8, 9, 10, 11], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
     )  # (2, 9)
     padded_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 9])  # (2, 9)
-    batched, _ = completion_logps(model, padded_ids, padded_mask, C)  # (2, C)
+    batched, _, _ = completion_logps(model, padded_ids, padded_mask, C)  # (2, C)
     torch.testing.assert_close(batched[0:1], alone, rtol=0, atol=1e-5)
     # The check can fail: attending to the pads (mask of ones) moves the log-probs.
-    unmasked, _ = completion_logps(model, padded_ids, torch.ones_like(padded_ids), C)  # (2, C)
+    unmasked, _, _ = completion_logps(model, padded_ids, torch.ones_like(padded_ids), C)  # (2, C)
     assert (unmasked[0:1] - alone).abs().max() > 1e-4
 
 
@@ -92,7 +94,9 @@ def test_shared_prompts_give_the_same_logps_and_gradients(build):
     results = []
     for share in (False, True):
         model = build().eval()  # GPT-2's dropout would make the two passes differ
-        logps, _ = completion_logps(model, ids, mask, width, 0.9, gradient_checkpointing=not share)  # (6, 4)
+        logps, _, _ = completion_logps(
+            model, ids, mask, width, 0.9, gradient_checkpointing=not share
+        )  # (6, 4)
         (logps * completion_mask).sum().backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         results.append((logps.detach() * completion_mask, grads))
@@ -117,8 +121,8 @@ def test_prefill_runs_each_distinct_prompt_once(model):
 
 def test_completion_of_one_token(model):
     ids, mask, _ = grouped_batch()
-    shared, _ = completion_logps(model, ids[:, :6], mask[:, :6], 1)  # (6, 1)
-    whole, _ = completion_logps(model, ids[:, :6], mask[:, :6], 1, gradient_checkpointing=True)
+    shared, _, _ = completion_logps(model, ids[:, :6], mask[:, :6], 1)  # (6, 1)
+    whole, _, _ = completion_logps(model, ids[:, :6], mask[:, :6], 1, gradient_checkpointing=True)
     torch.testing.assert_close(shared, whole, rtol=1e-5, atol=1e-5)
 
 
@@ -140,10 +144,10 @@ def test_either_attention_kernel_gives_the_same_logps(monkeypatch):
     kernels = []
     real = logprobs.sdpa_kernel
     monkeypatch.setattr(logprobs, "sdpa_kernel", lambda backend: kernels.append(backend) or real(backend))
-    math_logps, _ = completion_logps(model, ids, mask, width)
+    math_logps, _, _ = completion_logps(model, ids, mask, width)
     assert kernels == [logprobs.SDPBackend.MATH]  # a short batch on a CPU
     monkeypatch.setattr(logprobs, "MATH_ATTENTION_MAX", 0)
-    default_logps, _ = completion_logps(model, ids, mask, width)
+    default_logps, _, _ = completion_logps(model, ids, mask, width)
     assert kernels == [logprobs.SDPBackend.MATH]  # not asked again: SDPA picks
     torch.testing.assert_close(math_logps, default_logps, rtol=1e-5, atol=1e-5)
 

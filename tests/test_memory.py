@@ -49,7 +49,9 @@ def saved_bytes(model: torch.nn.Module, width: int, **kwargs) -> int:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        logps, _ = completion_logps(model, ids, mask, width, with_entropy=True, entropy_grad=False, **kwargs)
+        logps, _, _ = completion_logps(
+            model, ids, mask, width, with_entropy=True, entropy_grad=False, **kwargs
+        )
     logps.sum().backward()  # the pass really is differentiable
     return sum(storages.values())
 

@@ -81,9 +81,9 @@ def test_packed_pass_matches_the_padded_one(build, attention):
     model = build().eval()
     ids, mask, width = grouped_batch()  # completions of 4, 2 and 1 tokens
     real = mask[:, -width:].bool()
-    packed_logps, packed_entropy = packed_completion_logps(model, ids, mask, width, 0.8, with_entropy=True)
+    packed_logps, packed_entropy, _ = packed_completion_logps(model, ids, mask, width, 0.8, with_entropy=True)
     logits = completion_logits(model, ids, mask, width)  # (B, C, V), padding run through the model
-    logps, entropy = token_logps_and_entropy(logits, ids[:, -width:], 0.8, with_entropy=True)
+    logps, entropy, _ = token_logps_and_entropy(logits, ids[:, -width:], 0.8, with_entropy=True)
     torch.testing.assert_close(packed_logps[real], logps[real], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed_entropy[real], entropy[real], rtol=1e-5, atol=1e-5)
     assert (packed_logps[~real] == 0).all() and (packed_entropy[~real] == 0).all()
@@ -95,11 +95,11 @@ def test_packed_pass_under_bf16_autocast_is_as_close_to_float32_as_the_padded_on
     ids, mask, width = grouped_batch()
     real = mask[:, -width:].bool()
     with torch.no_grad():
-        exact, _ = packed_completion_logps(model, ids, mask, width)  # float32
+        exact, _, _ = packed_completion_logps(model, ids, mask, width)  # float32
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            packed, _ = packed_completion_logps(model, ids, mask, width)
+            packed, _, _ = packed_completion_logps(model, ids, mask, width)
             logits = completion_logits(model, ids, mask, width)  # transformers' SDPA attention in bf16
-            padded, _ = token_logps_and_entropy(logits, ids[:, -width:])
+            padded, _, _ = token_logps_and_entropy(logits, ids[:, -width:])
     packed_error, padded_error = ((x - exact)[real].abs().max() for x in (packed, padded))
     assert packed_error > 0  # bf16 really was used
     # Measured: 0.0011 vs 0.0009 (llama), 0.043 vs 0.047 (wide weights); attention here is in float32.
@@ -131,11 +131,11 @@ def test_models_that_cannot_pack_take_the_padded_pass():
     seen = []
     hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
     try:
-        shared, _ = completion_logps(model, ids, mask, width)
+        shared, _, _ = completion_logps(model, ids, mask, width)
     finally:
         hook.remove()
     assert seen == [torch.Size([2, 5]), torch.Size([6, 4])]  # prompts once, then padded completions
-    whole, _ = completion_logps(model, ids, mask, width, gradient_checkpointing=True)
+    whole, _, _ = completion_logps(model, ids, mask, width, gradient_checkpointing=True)
     real = mask[:, -width:].bool()
     torch.testing.assert_close(shared[real], whole[real], rtol=1e-5, atol=1e-5)
 
@@ -155,7 +155,7 @@ def logps_and_grads(model, run) -> tuple[torch.Tensor, torch.Tensor, dict[str, t
     model.zero_grad()
     ids, mask, width = grouped_batch()
     real = mask[:, -width:]
-    logps, entropy = run(model, ids, mask, width)
+    logps, entropy, _ = run(model, ids, mask, width)
     weights = real * torch.arange(1, width + 1)  # (B, C) a different gradient for every token
     (logps * weights).sum().add((entropy * weights).sum() * 0.1).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -198,7 +198,7 @@ def test_frozen_head_without_entropy_gradient_gives_the_recomputed_logps_and_gra
     for entropy_grad in (True, False):
         model.zero_grad()
         ids, mask, width = grouped_batch()
-        logps, entropy = completion_logps(
+        logps, entropy, _ = completion_logps(
             model, ids, mask, width, 0.9, with_entropy=True, entropy_grad=entropy_grad
         )
         assert entropy.requires_grad == entropy_grad

@@ -284,7 +284,7 @@ def test_sampler_logps_are_the_drawn_tokens_log_probs():
     )  # fmt: skip
     torch.manual_seed(5)
     result = local.generate(model, ids, mask, config)
-    expected, _ = completion_logps(
+    expected, _, _ = completion_logps(
         model, result.input_ids, result.attention_mask, result.completion_ids.shape[1], temperature=0.7
     )
     active = result.completion_mask.bool()

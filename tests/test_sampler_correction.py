@@ -6,12 +6,23 @@ import math
 
 import pytest
 import torch
+from tiny_models import tiny_llama, tiny_tokenizer
+from trainer_helpers import chat_dataset, length_reward, make_config
 
-from grpo_hf.algorithm.sampler_correction import SamplerCorrection, sampler_is_weights, sampler_metrics
+from grpo_hf import GRPOTrainer
+from grpo_hf.algorithm.sampler_correction import (
+    SamplerCorrection,
+    Truncation,
+    kept_floor,
+    on_policy_support,
+    sampler_is_weights,
+    sampler_metrics,
+)
 from grpo_hf.config.grpo_config import GRPOConfig
 from grpo_hf.config.loss_args import check_sampler_settings, sampler_correction
 from grpo_hf.engine import quantization
 from grpo_hf.engine.quantization import Int8Matmul
+from grpo_hf.engine.token_scores import token_logps_and_entropy
 
 # Row 0: pi_old (0.5, 0.2, 0.3) against the sampler's (0.25, 0.4, 0.1): ratios 2, 0.5, 3, product 3.
 # Row 1: (0.5, 0.4, pad) against (0.4, 0.5, pad): ratios 1.25, 0.8, product 1; its padding's
@@ -217,11 +228,124 @@ def test_vllm_errors_name_the_setting(tmp_path):
         ({"min_p": 0.0, "generation_kwargs": {"top_k": -1}}, None),  # vLLM's top_k -1 is off
     ],
 )
-def test_truncated_sampling_is_warned_about_whatever_the_backend(tmp_path, caplog, kwargs, cut):
+def test_truncated_sampling_without_renormalizing_is_warned_about_whatever_the_backend(
+    tmp_path, caplog, kwargs, cut
+):
+    """Only renormalize_truncated_sampling=False puts the kept mass in the weights: warned then alone."""
     with caplog.at_level(logging.WARNING, logger="grpo_hf.config.generation_args"):
         config(tmp_path, **kwargs)
+        assert "truncate the sampling distribution" not in caplog.text  # renormalised: nothing to warn of
+        config(tmp_path, renormalize_truncated_sampling=False, **kwargs)
     warned = "truncate the sampling distribution" in caplog.text
     assert warned == (cut is not None)
     if cut:
         assert f"{cut} truncate the sampling distribution" in caplog.text
         assert "probability mass the truncation kept" in caplog.text
+
+
+# ---- The truncated support (renormalize_truncated_sampling) ---------------------------------------
+
+P = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])  # pi_old over a 5-token vocabulary, at temperature 1
+
+
+@pytest.mark.parametrize(
+    ("truncation", "kept"),
+    [
+        (Truncation(top_k=2), [0, 1]),  # mass 0.65
+        (Truncation(top_p=0.7), [0, 1, 2]),  # mass before each: 0, 0.4, 0.65 < 0.7; 0.85 is not: 0.85
+        (Truncation(min_p=0.3), [0, 1, 2]),  # p >= 0.3 x 0.4 = 0.12: 0.85
+        # top_p over top_k's (0.4, 0.25, 0.2) / 0.85: before each 0, 0.47, 0.76 >= 0.7: 0.65
+        (Truncation(top_k=3, top_p=0.7), [0, 1]),
+        # transformers: top_p 0.88 first (before each 0, 0.4, 0.65, 0.85 < 0.88, 0.95), then min_p
+        # (p >= 0.2 x 0.4 = 0.08) keeps those four: 0.95
+        (Truncation(top_p=0.88, min_p=0.2), [0, 1, 2, 3]),
+        # vLLM: min_p first keeps four (0.95); top_p over them / 0.95: before each 0, 0.42, 0.68, 0.89: 0.85
+        (Truncation(top_p=0.88, min_p=0.2, min_p_first=True), [0, 1, 2]),
+    ],
+)
+def test_the_kept_support_and_its_mass_by_hand(truncation, kept):
+    """The support the trainer replays, and the log of pi_old's mass on it that its log-prob pass takes
+    per token: the drawn token is always in (token 4, cut everywhere, adds its 0.05)."""
+    z = P.log().expand(5, 5)  # (5, V): one row per drawn token 0..4
+    assert (z[0] >= kept_floor(z[:1], truncation)).nonzero().flatten().tolist() == kept
+    scores = token_logps_and_entropy(z, torch.arange(5), truncation=truncation)
+    mass = P[kept].sum()
+    want = torch.stack([mass + (0 if t in kept else P[t]) for t in range(5)]).log()  # (5,)
+    torch.testing.assert_close(scores.kept_log_mass, want)
+    torch.testing.assert_close(scores.logps, P.log())  # the log-probs stay over the whole vocabulary
+    assert token_logps_and_entropy(z, torch.arange(5)).kept_log_mass is None
+
+
+def test_renormalised_weights_by_hand():
+    """top_p=0.7. pi_old = P keeps (0.4, 0.25, 0.2), mass S_old = 0.85; the sampler's q = (0.42, 0.22,
+    0.2, 0.1, 0.06) keeps (0.42, 0.22, 0.2), mass 0.84, and draws tokens 0, 2, 1 recording log(q / 0.84):
+    0.5, 0.238095, 0.261905. On the support, rho = (p / 0.85) / (q / 0.84) = 0.470588 / 0.5, 0.235294 /
+    0.238095, 0.294118 / 0.261905 = 0.941176, 0.988235, 1.122995 (sequence: 1.044502): the
+    sampler / trainer mismatch alone. Over the whole vocabulary rho = p / (q / 0.84) = 0.8, 0.84,
+    0.954545: each S_old = 0.85 times that, the sequence 0.85^3 = 0.614 times it, 0.641455."""
+    drawn = torch.tensor([0, 2, 1])
+    q = torch.tensor([0.42, 0.22, 0.2, 0.1, 0.06])
+    inputs = {"sampler_logps": (q[drawn] / 0.84).log().unsqueeze(0)}  # (1, 3)
+    old, _, kept = token_logps_and_entropy(P.log().expand(3, 5), drawn, truncation=Truncation(top_p=0.7))
+    old, kept, mask = old.unsqueeze(0), kept.unsqueeze(0), torch.ones(1, 3)  # (1, 3) each
+    token, sequence = SamplerCorrection("token_truncate", None, 10.0), SamplerCorrection("sequence_truncate")
+    renormalised = on_policy_support(inputs, kept)["sampler_logps"]
+    torch.testing.assert_close(
+        sampler_is_weights(old, renormalised, mask, token), torch.tensor([[0.941176, 0.988235, 1.122995]])
+    )
+    torch.testing.assert_close(
+        sampler_is_weights(old, renormalised, mask, sequence), torch.full((1, 3), 1.044502)
+    )
+    whole = inputs["sampler_logps"]
+    torch.testing.assert_close(
+        sampler_is_weights(old, whole, mask, token), torch.tensor([[0.8, 0.84, 0.954545]])
+    )
+    torch.testing.assert_close(sampler_is_weights(old, whole, mask, sequence), torch.full((1, 3), 0.641455))
+    assert on_policy_support(inputs, None) is inputs and on_policy_support({}, kept) == {}
+
+
+def test_the_truncation_replayed_is_the_one_generation_applies(tmp_path):
+    """Fields and generation_kwargs (which win) as generation reads them, vLLM's order with vLLM, None
+    when nothing cuts or renormalize_truncated_sampling is off."""
+    args = config(tmp_path, top_k=20, top_p=0.9, generation_kwargs={"top_p": 0.8, "min_p": 0.05})
+    assert args.loss_settings().sampler_truncation == Truncation(20, 0.8, 0.05, min_p_first=False)
+    vllm = with_vllm(config(tmp_path, min_p=0.1))
+    assert vllm.loss_settings().sampler_truncation == Truncation(min_p=0.1, min_p_first=True)
+    assert config(tmp_path, generation_kwargs={"top_k": -1}).loss_settings().sampler_truncation is None
+    off = config(tmp_path, top_p=0.9, renormalize_truncated_sampling=False)
+    assert off.loss_settings().sampler_truncation is None
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"num_iterations": 1}, {"num_iterations": 2}, {"num_iterations": 2, "token_budget": 1}],
+    ids=["pi_old-this-pass", "pi_old-pass", "pi_old-token-budget-passes"],
+)
+def test_our_decoder_under_top_p_gets_weights_of_one(tmp_path, settings):
+    """Our decoder samples from the float32 policy itself, so on the truncated support pi_old / pi_sampler
+    is 1 up to rounding, whether pi_old comes from the loss's own pass or the no-grad pass before it
+    (num_iterations=2), one pass per micro-batch or a round's passes cut by token_budget (a row each).
+    Over the whole vocabulary (renormalize_truncated_sampling=False) each weight is
+    the mass top_p=0.7 kept of a tiny model's flat distribution: well below 1."""
+    means = {}
+    for renormalize in (True, False):
+        trainer = GRPOTrainer(
+            model=tiny_llama(),
+            reward_funcs=length_reward,
+            args=make_config(
+                tmp_path / str(renormalize),
+                max_steps=1,
+                top_p=0.7,
+                sampler_is_cap=10.0,
+                renormalize_truncated_sampling=renormalize,
+                **settings,
+            ),  # fmt: skip
+            train_dataset=chat_dataset(),
+            processing_class=tiny_tokenizer(),
+        )
+        trainer.train()
+        logged = trainer.state.log_history[0]
+        means[renormalize] = logged["sampling/importance_sampling_ratio/mean"]
+        assert logged["sampler/ratio_mean"] == pytest.approx(means[renormalize], rel=1e-5)
+    assert means[True] == pytest.approx(1.0, abs=1e-4)
+    assert means[False] < 0.9

@@ -98,9 +98,9 @@ def train(tmp_path, budget: int | None, **settings) -> tuple[dict, list, FixedCo
     passes = []
     scores = trainer.completion_logps
 
-    def counted(model, batch, with_entropy=False):
+    def counted(model, batch, with_entropy=False, replay=True):
         passes.append(("policy" if torch.is_grad_enabled() else "no grad", batch["input_ids"].shape[0]))
-        return scores(model, batch, with_entropy)
+        return scores(model, batch, with_entropy, replay)
 
     trainer.completion_logps = counted
     trainer.train()

@@ -7,13 +7,13 @@ import time
 import pytest
 from tiny_models import tiny_tokenizer
 
+from grpo_hf.data.tool_results import is_tool_error
 from grpo_hf.episodes.tools import (
     Toolbox,
     ToolCall,
     ToolResultRenderer,
     TurnParser,
     check_tool_call_format,
-    is_tool_error,
     parse_tool_calls,
     render_tool_prompt,
     run_episode_calls,

@@ -83,10 +83,10 @@ def test_lora_moves_only_adapters_and_base_is_the_reference(tmp_path, build, tar
     mask = torch.ones_like(ids)
     for whole_rows in (True, False):  # whole rows: the gradient checkpointing path, no shared prompts
         with reference_context(policy, None) as ref, torch.no_grad():
-            ref_logps, _ = completion_logps(ref, ids, mask, 6, gradient_checkpointing=whole_rows)
+            ref_logps, _, _ = completion_logps(ref, ids, mask, 6, gradient_checkpointing=whole_rows)
         with torch.no_grad():
-            policy_logps, _ = completion_logps(policy, ids, mask, 6, gradient_checkpointing=whole_rows)
-            original_logps, _ = completion_logps(original, ids, mask, 6, gradient_checkpointing=whole_rows)
+            policy_logps, _, _ = completion_logps(policy, ids, mask, 6, gradient_checkpointing=whole_rows)
+            original_logps, _, _ = completion_logps(original, ids, mask, 6, gradient_checkpointing=whole_rows)
         if not whole_rows:
             # The same weights and operations; only the LM head's matmul on a strided slice may round
             # its last bit differently between two allocations (seen: 5e-7 on logps near -5.6).

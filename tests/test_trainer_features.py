@@ -78,7 +78,7 @@ def test_a_user_given_reference_is_used_as_is_and_stays_frozen(tmp_path):
     )
     batch = first_round(trainer)
     with torch.no_grad():
-        want, _ = completion_logps(
+        want, _, _ = completion_logps(
             reference, batch["input_ids"], batch["attention_mask"], batch["ref_logps"].shape[1]
         )
     torch.testing.assert_close(batch["ref_logps"], want, rtol=1e-5, atol=1e-5)

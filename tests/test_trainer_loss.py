@@ -76,7 +76,7 @@ def test_dapo_normalises_each_optimizer_step_by_its_own_active_tokens(tmp_path):
     torch.testing.assert_close(second["old_logps"], old, rtol=1e-5, atol=1e-6)
     for part, old_logps in ((first, None), (second, old)):
         model.zero_grad()
-        logps, _ = completion_logps(
+        logps, _, _ = completion_logps(
             model, part["input_ids"], part["attention_mask"], part["completion_mask"].shape[1]
         )
         loss, _ = grpo_loss_with(
@@ -179,7 +179,7 @@ def test_logged_entropy_is_the_token_mean_over_the_micro_batches(tmp_path):
     for part in trainer._buffer:  # both micro-batches of the step, under the weights before it
         mask = part["completion_mask"]
         with torch.no_grad():
-            _, entropy = completion_logps(
+            _, entropy, _ = completion_logps(
                 model, part["input_ids"], part["attention_mask"], mask.shape[1], with_entropy=True
             )
         total, tokens = total + (entropy * mask).sum().item(), tokens + mask.sum().item()
@@ -259,7 +259,7 @@ def test_loss_settings_reach_the_loss(tmp_path, level):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(params[name])
-            logps, entropy = completion_logps(
+            logps, entropy, _ = completion_logps(
                 model,
                 inputs["input_ids"],
                 inputs["attention_mask"],

@@ -49,7 +49,7 @@ def replayed(params, inputs) -> tuple[torch.Tensor, torch.Tensor]:
             inputs["attention_mask"],
             inputs["completion_mask"].shape[1],
             with_entropy=True,
-        )
+        )[:2]
 
 
 def test_off_policy_and_high_entropy_masks_reach_the_loss(tmp_path):

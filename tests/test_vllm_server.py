@@ -157,16 +157,26 @@ def test_a_generation_round_is_bounded_as_a_whole(server):
     assert len(VLLMClient(server.url, timeout=2.5).complete_all(bodies[:2], concurrency=1)) == 2
 
 
+class Interrupted(BaseException):
+    """Not an Exception, as KeyboardInterrupt or asyncio.CancelledError."""
+
+
 def test_an_nccl_wait_is_given_up_after_the_request_timeout():
     """NcclWeights runs its rendezvous and transfers through `within` (NCCL itself cannot run here): a
     call that never returns (workers that never join) is a TimeoutError naming the setting; an
-    error is re-raised."""
+    error is re-raised, a BaseException too (not lost with its thread, the transfer passing for done)."""
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="vllm_server_request_timeout=0.5 s"):
         within(0.5, threading.Event().wait, "The NCCL weight transfer")
     assert time.monotonic() - start < 2
     with pytest.raises(KeyError, match="missing"):
         within(5.0, lambda: {}["missing"], "A lookup")
+
+    def interrupted() -> None:
+        raise Interrupted("the transfer was interrupted")
+
+    with pytest.raises(Interrupted, match="interrupted"):
+        within(5.0, interrupted, "The NCCL weight transfer")
 
 
 def test_a_slow_server_is_a_timeout_and_a_dead_one_a_connection_error(server):

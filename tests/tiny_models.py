@@ -4,13 +4,30 @@ decoder that stands in for a model in the decode loop."""
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 SPECIALS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
@@ -72,6 +89,47 @@ def tiny_mistral() -> MistralForCausalLM:
     """A Llama-like model with a sliding window (4096 by default): not packable."""
     torch.manual_seed(0)
     return MistralForCausalLM(MistralConfig(vocab_size=259, **LLAMA_LIKE))
+
+
+# Each family the README names, as transformers builds it (its own attention, soft-capping, sliding
+# windows, experts), at the tiny Llama's sizes; head_dim 8 where a config would derive another.
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(vocab_size=259, **LLAMA_LIKE)),
+    "gpt2": lambda: tiny_gpt2(),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(vocab_size=259, **LLAMA_LIKE)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(vocab_size=259, head_dim=8, **LLAMA_LIKE)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(vocab_size=259, sliding_window=4, **LLAMA_LIKE)),
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(vocab_size=259, **LLAMA_LIKE)),
+    "gemma": lambda: GemmaForCausalLM(GemmaConfig(vocab_size=259, head_dim=8, **LLAMA_LIKE)),
+    "gemma2": lambda: Gemma2ForCausalLM(
+        Gemma2Config(vocab_size=259, head_dim=8, sliding_window=4, **LLAMA_LIKE)
+    ),
+    "gemma3": lambda: Gemma3ForCausalLM(
+        Gemma3TextConfig(vocab_size=259, head_dim=8, sliding_window=4, **LLAMA_LIKE)
+    ),
+    "mixtral": lambda: MixtralForCausalLM(
+        MixtralConfig(vocab_size=259, num_local_experts=4, num_experts_per_tok=2, **LLAMA_LIKE)
+    ),
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=259,
+            head_dim=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            **LLAMA_LIKE,
+        )
+    ),
+}
+
+
+def tiny_family(name: str, seed: int = 0) -> PreTrainedModel:
+    """A tiny model of family `name` (`FAMILIES`), eos 2 and bos 1 as the tiny tokenizer's."""
+    torch.manual_seed(seed)
+    model = FAMILIES[name]()
+    model.config.eos_token_id, model.config.bos_token_id = 2, 1
+    model.generation_config.eos_token_id, model.generation_config.bos_token_id = 2, 1
+    return model
 
 
 class ScriptedDecoder:

@@ -27,7 +27,7 @@ def main(output: Path) -> None:
     rows = [trainer.train_dataset[2 + index]] * 4  # each process its own prompt
     result = trainer._sample_and_score(rows).result
     with torch.no_grad(), trainer.compute_loss_context_manager():  # the trainer's precision (bf16 autocast)
-        ours, _ = completion_logps(
+        ours, _, _ = completion_logps(
             trainer.model, result.input_ids, result.attention_mask, result.completion_ids.shape[1], 1.0
         )  # (B, C)
     gap = (result.sampler_logps - ours.detach()).abs()[result.completion_mask.bool()].max().item()

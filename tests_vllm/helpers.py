@@ -9,6 +9,7 @@ from peft import LoraConfig
 from vllm_server_process import model_path
 
 from grpo_hf import GRPOConfig, GRPOTrainer
+from grpo_hf.algorithm.sampler_correction import Truncation
 from grpo_hf.data import rollout
 from grpo_hf.engine import local
 from grpo_hf.engine.generation_copy import GenerationCopy
@@ -121,7 +122,7 @@ def assert_sampler_logps_match(trainer: GRPOTrainer, temperature: float, version
     ids, mask = prompts(trainer, [0, 0, 1, 1, 2, 2])
     sampling = dataclasses.replace(trainer.sampling, temperature=temperature)
     result = trainer.generator.generate(ids, mask, sampling, policy_version=version)
-    ours, _ = completion_logps(
+    ours, _, _ = completion_logps(
         trainer.model, result.input_ids, result.attention_mask, result.completion_ids.shape[1], temperature
     )  # (B, C)
     active = result.completion_mask.bool()
@@ -151,6 +152,16 @@ def assert_top_k_sampler_logps_are_renormalised(trainer: GRPOTrainer, top_k: int
     gap = (result.sampler_logps - (full - kept)).abs()[active]
     assert gap.max() < 1e-3, f"max |vLLM - log(p / kept mass)| = {gap.max():.2e}"
     assert (-kept[active]).max() > 0.01  # mass was cut somewhere: log p alone would be off there
+    # The trainer's replay of the truncation (renormalize_truncated_sampling) finds the same mass.
+    ours, _, replayed = completion_logps(
+        trainer.model,
+        result.input_ids,
+        result.attention_mask,
+        width,
+        truncation=Truncation(top_k, min_p_first=True),
+    )  # (B, C) each
+    gap = (result.sampler_logps - (ours - replayed)).abs()[active]
+    assert gap.max() < 1e-3, f"max |vLLM - log(p / replayed kept mass)| = {gap.max():.2e}"
 
 
 def assert_sync_reaches_the_engine(

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_hf.algorithm.policy_terms import POLICY_TERMS, Metrics, PolicySettings, masked_mean
-from grpo_hf.algorithm.sampler_correction import SamplerCorrection
+from grpo_hf.algorithm.sampler_correction import SamplerCorrection, Truncation
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class LossSettings:
     off_policy_mask_threshold: float | None  # `masks.get_off_policy_mask`; None: off
     top_entropy_quantile: float  # `masks.get_high_entropy_mask`; 1.0: off
     sampler_correction: SamplerCorrection | None  # importance sampling against the sampler; None: off
+    sampler_truncation: Truncation | None  # the sampler's, replayed for its support; None: whole vocabulary
 
 
 def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

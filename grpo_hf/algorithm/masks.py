@@ -4,8 +4,9 @@
   negative advantage whose tokens' mean log(pi_sampler / pi) exceeds `off_policy_mask_threshold`
   leaves the loss: the policy has already moved away from it, and pushing it further down is
   where off-policy updates do harm. The sampler's log-probs are used where the rollout recorded
-  them (our decoder and vLLM do), so both the policy's drift and the sampler's mismatch count;
-  otherwise pi_old.
+  them (our decoder and vLLM do; under top_k / top_p / min_p put on pi_old's support,
+  `sampler_correction.on_policy_support`), so both the policy's drift and the sampler's mismatch
+  count; otherwise pi_old.
 - High-entropy token masking ("Beyond the 80/20 rule", arXiv 2506.01939): only the tokens at or
   above the (1 - top_entropy_quantile) quantile of entropy, over the loss tokens of the
   micro-batch on every process, keep their policy term (and the entropy bonus acts on them alone).

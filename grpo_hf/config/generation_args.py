@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from transformers import GenerationConfig
 
+from grpo_hf.algorithm.sampler_correction import Truncation
 from grpo_hf.config.checks import check_dicts
 from grpo_hf.engine.generation import GenerationSettings, Sampling
 
@@ -97,20 +98,36 @@ class GenerationBackendArguments:
                 "vllm_enable_sleep_mode / vllm_structured_outputs_regex apply with use_vllm=True only."
             )
 
-    def _warn_truncated_sampling(self) -> None:
-        """top_p / top_k / min_p (as set, or in generation_kwargs) truncate what every backend samples from."""
-        knobs = {"top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
+    def sampler_truncation(self) -> Truncation | None:
+        """What top_k / top_p / min_p (as set, or in generation_kwargs, which win) cut from each token's
+        distribution, in the order the generating backend applies them; None when none of them cuts."""
+        knobs = {"top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
         knobs |= {name: value for name, value in self.generation_kwargs.items() if name in knobs}
-        cut = [k for k, v in knobs.items() if v is not None and (v < 1 if k == "top_p" else v > 0)]
-        if cut:
+        truncation = Truncation(
+            top_k=max(knobs["top_k"] or 0, 0),  # vLLM's -1 is off too
+            top_p=1.0 if knobs["top_p"] is None else knobs["top_p"],
+            min_p=knobs["min_p"] or 0.0,
+            min_p_first=self.generation_backend == "vllm",
+        )
+        return None if truncation == Truncation(min_p_first=truncation.min_p_first) else truncation
+
+    def _warn_truncated_sampling(self) -> None:
+        """With renormalize_truncated_sampling off, the truncation's kept mass enters the importance weights."""
+        truncation = self.sampler_truncation()
+        if truncation is not None and not self.renormalize_truncated_sampling:
+            cut = [
+                k
+                for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
+                if getattr(truncation, k) != off
+            ]
             logger.warning(
-                f"{' / '.join(cut)} truncate the sampling distribution. The sampler's log-probs (grpo-hf's decoder, "
-                "vLLM's with logprobs_mode='processed_logprobs') are those of the truncated, renormalised "
-                "distribution actually sampled, the policy's are over the whole vocabulary: on each token pi_old / "
-                "pi_sampler is the probability mass the truncation kept (<= 1) times the sampler / trainer "
-                "mismatch. The importance weights (vllm_importance_sampling_correction, sampler_is_cap) so correct "
-                "for the truncation too (the sequence modes multiply it over a completion's tokens), and "
-                "off_policy_mask_threshold and sampler/ratio_* count it."
+                f"{' / '.join(cut)} truncate the sampling distribution, and renormalize_truncated_sampling=False "
+                "compares the sampler's log-probs (those of the truncated distribution it drew from) with the "
+                "policy's over the whole vocabulary: on each token pi_old / pi_sampler is the probability mass the "
+                "truncation kept (<= 1) times the sampler / trainer mismatch, the sequence modes of "
+                "vllm_importance_sampling_mode multiply it over a completion's tokens, and off_policy_mask_threshold "
+                "and sampler/ratio_* count it. Leave renormalize_truncated_sampling=True (TRL 1.17's behaviour) "
+                "unless you mean this."
             )
 
     def sampling(self, eos_token_ids: list[int], pad_token_id: int) -> Sampling:

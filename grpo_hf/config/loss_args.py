@@ -157,6 +157,17 @@ class LossArguments:
     vllm_importance_sampling_cap: float | None = field(
         default=None, metadata={"help": "Deprecated (as in TRL): use vllm_importance_sampling_clip_max."}
     )
+    renormalize_truncated_sampling: bool = field(
+        default=True,
+        metadata={
+            "help": "Under top_k / top_p / min_p, compare the sampler's log-probs (those of the truncated "
+            "distribution it drew from) with the trainer's renormalised over the tokens the truncation keeps, "
+            "replayed on the trainer's distribution: the importance weights, off_policy_mask_threshold and the "
+            "'sampler/*', 'sampling/*' metrics see the sampler / trainer mismatch alone (TRL 1.17's behaviour). "
+            "False: over the whole vocabulary, so each token's weight also carries the mass the truncation kept, "
+            "multiplied over a completion's tokens by the sequence modes (grpo-hf before 1.17's)."
+        },
+    )
 
     # ---- KL to the reference -------------------------------------------------------------------
     beta: float = field(
@@ -212,6 +223,7 @@ class LossArguments:
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             top_entropy_quantile=self.top_entropy_quantile,
             sampler_correction=sampler_correction(self),
+            sampler_truncation=self.sampler_truncation() if self.renormalize_truncated_sampling else None,
         )
 
     def _resolve_loss_settings(self) -> None:

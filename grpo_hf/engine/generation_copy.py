@@ -14,7 +14,10 @@ With `rollout_quantization` ('int8', 'int8_weight_only') the copy's matmuls take
 rounded to int8 (`quantization`): the sampler then differs from the policy by more than bf16's
 rounding, which the sampler's log-probs record. A Llama-architecture copy decodes through `decoding.LlamaDecoder`. Other models decode through
 their own forward, where the attention of one query token is `attention.grouped_attention`
-(float32, no per-head copies of the cache); longer queries (the prompt prefill) go to SDPA.
+(float32, no per-head copies of the cache); longer queries (the prompt prefill) go to SDPA. That
+stands in for a model's attention only where SDPA computes it (`_supports_sdpa`, transformers'
+own flag): Gemma 2 (logit soft-capping, which SDPA refuses) and the other models without SDPA keep
+the attention they were loaded with.
 """
 
 import copy
@@ -60,6 +63,12 @@ def decode_attention(
 
 AttentionInterface.register(DECODE_ATTENTION, decode_attention)
 AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+
+
+def can_decode_attention(model: nn.Module) -> bool:
+    """Whether `decode_attention` (and SDPA, where it hands over) computes `model`'s attention: its
+    attention layers take a registered implementation, and transformers runs it on SDPA."""
+    return getattr(model, "_supports_attention_backend", False) and getattr(model, "_supports_sdpa", False)
 
 
 def plain_name(name: str) -> str:
@@ -117,7 +126,7 @@ class GenerationCopy:
                 module.float()
         if quantization is not None:
             quantize_linears(self.model, quantization)
-        if decode_attention and getattr(self.model, "_supports_attention_backend", False):
+        if decode_attention and can_decode_attention(self.model):
             self.model.set_attn_implementation(DECODE_ATTENTION)
         self._targets = dict(self.model.named_parameters())
         missing = [name for name, _ in policy_weights(policy, trained_only=True) if name not in self._targets]

@@ -32,8 +32,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedModel
 
+from grpo_hf.algorithm.sampler_correction import Truncation
 from grpo_hf.engine.packing import PackedRows, can_pack, packed_forward, unwrapped
-from grpo_hf.engine.token_scores import head_token_logps, token_logps_and_entropy
+from grpo_hf.engine.token_scores import TokenScores, head_token_logps, token_logps_and_entropy
 from grpo_hf.models.policy import Float32Head
 
 # Largest rows x length^2 that takes the math attention kernel on a CPU: 16 rows of 256 tokens.
@@ -135,7 +136,7 @@ def completion_logits(
 
 
 class _ScoringHead(nn.Module):
-    """Stands in for a model's LM head for one call: (1, K, E) hidden -> log-probs, entropy (K,)."""
+    """Stands in for a model's LM head for one call: (1, K, E) hidden -> `TokenScores` of (K,)."""
 
     def __init__(
         self,
@@ -144,18 +145,20 @@ class _ScoringHead(nn.Module):
         temperature: float,
         with_entropy: bool,
         entropy_grad: bool,
+        truncation: Truncation | None,
     ):
         super().__init__()
         self.head, self.targets = head, targets  # (K,)
         self.temperature, self.with_entropy, self.entropy_grad = temperature, with_entropy, entropy_grad
+        self.truncation = truncation
 
-    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, hidden: torch.Tensor) -> TokenScores:
         device = hidden.device.type
         weight = self.head.weight  # (V, E)
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         if isinstance(self.head, Float32Head):
             dtype = torch.float32
-        logps, entropy = head_token_logps(
+        return head_token_logps(
             hidden.squeeze(0),
             weight,
             self.targets,
@@ -163,8 +166,8 @@ class _ScoringHead(nn.Module):
             self.with_entropy,
             dtype,
             self.entropy_grad,
+            self.truncation,
         )  # (K,) each
-        return logps, entropy if self.with_entropy else None
 
 
 def scoring_head(model: nn.Module) -> nn.Linear | None:
@@ -188,7 +191,8 @@ def packed_completion_logps(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    truncation: Truncation | None = None,
+) -> TokenScores:
     """`completion_logps` in one model call on the batch's real tokens (see `packing`); 0 at padding.
 
     The packed row is the distinct prompts, then the completions. A row's first completion token
@@ -217,18 +221,21 @@ def packed_completion_logps(
         torch.cat([positions[first, :prompt_length][prompt_real], positions[:, prompt_length:][real]]),
         torch.cat([prompt_ends[row_to_unique], prompt_ends[-1] + 1 + has_next.nonzero().squeeze(1)]),
         PackedRows(prompt_real, row_to_unique, real),
-        head=_ScoringHead(head, targets, temperature, with_entropy, entropy_grad) if head else None,
-    )  # (B + K, V) logits, or with a fused head (B + K,) log-probs and entropy
-    scores = out if head else token_logps_and_entropy(out, targets, temperature, with_entropy)
-    logps, entropy = (
-        None
-        if flat is None
-        else torch.cat(
-            [flat[:rows].unsqueeze(1), flat.new_zeros(later.shape).masked_scatter(later, flat[rows:])], 1
+        head=_ScoringHead(head, targets, temperature, with_entropy, entropy_grad, truncation)
+        if head
+        else None,
+    )  # (B + K, V) logits, or with a fused head their (B + K,) `TokenScores`
+    scores = out if head else token_logps_and_entropy(out, targets, temperature, with_entropy, truncation)
+    return TokenScores(
+        *(
+            None
+            if flat is None
+            else torch.cat(
+                [flat[:rows].unsqueeze(1), flat.new_zeros(later.shape).masked_scatter(later, flat[rows:])], 1
+            )
+            for flat in scores
         )
-        for flat in scores
     )  # (B, C) each
-    return logps, entropy
 
 
 def completion_logps(
@@ -240,8 +247,10 @@ def completion_logps(
     with_entropy: bool = False,
     gradient_checkpointing: bool = False,
     entropy_grad: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (B, C) of the last C tokens of input_ids under `model`, and their entropy if asked.
+    truncation: Truncation | None = None,
+) -> TokenScores:
+    """Log-probs (B, C) of the last C tokens of input_ids under `model`, their entropy if asked, and
+    the log of the mass the sampler's `truncation` keeps at each (`token_scores`), if given.
 
     Models `packing` supports get a padding-free pass (values at padding positions are 0), with
     gradient checkpointing too (its recompute is given the packed attention again); others a
@@ -252,8 +261,15 @@ def completion_logps(
     which spares a frozen LM head's product in backward in the padding-free pass.
     """
     if can_pack(model):
-        logps, entropy = packed_completion_logps(
-            model, input_ids, attention_mask, completion_length, temperature, with_entropy, entropy_grad
+        scores = packed_completion_logps(
+            model,
+            input_ids,
+            attention_mask,
+            completion_length,
+            temperature,
+            with_entropy,
+            entropy_grad,
+            truncation,
         )
     else:
         with contextlib.nullcontext() if gradient_checkpointing else attention_kernel(input_ids):
@@ -261,5 +277,6 @@ def completion_logps(
                 model, input_ids, attention_mask, completion_length, share_prompts=not gradient_checkpointing
             )
         targets = input_ids[:, -completion_length:]  # (B, C)
-        logps, entropy = token_logps_and_entropy(logits, targets, temperature, with_entropy)
-    return logps, entropy if entropy is None or entropy_grad else entropy.detach()
+        scores = token_logps_and_entropy(logits, targets, temperature, with_entropy, truncation)
+    entropy = scores.entropy
+    return scores._replace(entropy=entropy if entropy is None or entropy_grad else entropy.detach())

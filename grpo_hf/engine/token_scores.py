@@ -5,13 +5,18 @@ across chunks, so no float32 copy of the whole logits (nor a softmax per chunk) 
 backward, which recomputes what it needs (`_TokenLogps`). With a frozen LM head (LoRA) the head's
 product itself is chunked and fused in (`head_token_logps`): the (M, V) logits never exist, nor
 their gradient. Logits are divided by the sampling temperature, so log-probs are those of the
-distribution the completions were sampled from.
+distribution the completions were sampled from. Given the sampler's `Truncation`, each pass also
+takes, without gradient, the log of the mass the truncation keeps of each token's distribution, the
+target included (`sampler_correction.kept_floor`; a sort of each row for top_p).
 """
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from grpo_hf.algorithm.sampler_correction import Truncation, kept_floor
 
 TOKENS_PER_CHUNK = 64
 # The fused LM head multiplies this many rows at a time (its log-softmax still takes
@@ -23,6 +28,14 @@ HEAD_TOKENS_PER_CHUNK = 256
 # exp here is of a logit minus the row's max (or its logsumexp); clamping at the floor changes
 # each such term by under 2e-38, and their sum (at least exp(0) = 1) not at all in float32.
 EXP_FLOOR = -87.0
+
+
+class TokenScores(NamedTuple):
+    """A log-prob pass's results per target token, float32, each shaped as the targets."""
+
+    logps: torch.Tensor  # log p(target), with a gradient to the logits
+    entropy: torch.Tensor | None  # the entropy of p, when asked for
+    kept_log_mass: torch.Tensor | None  # log of the mass a `Truncation` keeps (target in), no gradient
 
 
 def _buffers(
@@ -51,9 +64,14 @@ def _scaled_into(out: torch.Tensor, logits: torch.Tensor, temperature: float) ->
 
 
 def _score_chunk(
-    z: torch.Tensor, e: torch.Tensor, targets: torch.Tensor, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """log p(targets), logsumexp(z), sum exp(z - max) and the entropy (if asked), each (c,), of z (c, V).
+    z: torch.Tensor,
+    e: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool,
+    truncation: Truncation | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """log p(targets), logsumexp(z), sum exp(z - max), the entropy (if asked) and the log of the mass
+    `truncation` keeps (if given), each (c,), of z (c, V).
 
     z is float32 logits already divided by the temperature; it is left holding z - max (clamped
     at `EXP_FLOOR`) and e its exp.
@@ -61,13 +79,17 @@ def _score_chunk(
     top = z.amax(dim=-1, keepdim=True)  # (c, 1)
     z.sub_(top)
     target_z = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (c,)
+    floor = None if truncation is None else kept_floor(z, truncation)  # (c,)
     torch.exp(z.clamp_(min=EXP_FLOOR), out=e)  # (c, V)
     total = e.sum(dim=-1)  # (c,)
     log_total = total.log()
-    entropy = None
+    entropy = kept = None
     if with_entropy:  # H = log sum e - sum(e z) / sum e, with z shifted by its max
         entropy = log_total - torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1) / total
-    return target_z - log_total, top.squeeze(-1) + log_total, total, entropy
+    if floor is not None:  # the kept tokens' mass, and the target's where the replay cut it
+        cut_target = torch.where(target_z < floor, target_z.exp(), 0.0)  # (c,)
+        kept = (torch.where(z >= floor.unsqueeze(-1), e, 0.0).sum(dim=-1) + cut_target).log() - log_total
+    return target_z - log_total, top.squeeze(-1) + log_total, total, entropy, kept
 
 
 def _logit_grads(
@@ -99,8 +121,31 @@ def _logit_grads(
     return p
 
 
+def _outputs(
+    like: torch.Tensor, rows: int, with_entropy: bool, truncation: Truncation | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(M,) float32 log-probs, entropy and kept log-mass to fill; the last two empty when not asked for."""
+    logps = like.new_empty(rows, dtype=torch.float32)
+    entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+    kept = torch.empty_like(logps) if truncation is not None else logps.new_empty(0)
+    return logps, entropy, kept
+
+
+def _scores(
+    outputs: tuple[torch.Tensor, ...], shape: torch.Size, with_entropy: bool, truncation: Truncation | None
+) -> TokenScores:
+    """The autograd functions' (M,) outputs as `TokenScores` of `shape`, None for those not asked for."""
+    logps, entropy, kept = outputs
+    return TokenScores(
+        logps.view(shape),
+        entropy.view(shape) if with_entropy else None,
+        kept.view(shape) if truncation is not None else None,
+    )
+
+
 class _TokenLogps(torch.autograd.Function):
-    """log softmax(logits / T) at the targets, and the entropy of softmax(logits / T), per token.
+    """log softmax(logits / T) at the targets, and the entropy of softmax(logits / T), per token
+    (and the kept log-mass of a `Truncation`, without gradient).
 
     Forward and backward walk the (M, V) logits `TOKENS_PER_CHUNK` rows at a time in float32
     buffers reused across chunks, and keep only the logits (in their own dtype) and two numbers
@@ -111,38 +156,40 @@ class _TokenLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    def forward(ctx, logits, targets, temperature: float, with_entropy: bool, truncation: Truncation | None):
         with torch.autocast(logits.device.type, enabled=False):  # float32 throughout, bmm included
-            return _TokenLogps._forward(ctx, logits, targets, temperature, with_entropy)
+            return _TokenLogps._forward(ctx, logits, targets, temperature, with_entropy, truncation)
 
     @staticmethod
-    def _forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+    def _forward(ctx, logits, targets, temperature: float, with_entropy: bool, truncation: Truncation | None):
         rows = logits.shape[0]
-        logps = logits.new_empty(rows, dtype=torch.float32)  # (M,)
+        logps, entropy, kept = _outputs(logits, rows, with_entropy, truncation)  # (M,) each
         log_norms = torch.empty_like(logps)  # (M,) logsumexp(z)
-        entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
         scratch = _buffers(logits, rows, logits.shape[1], (torch.float32, torch.float32))
         for chunk, (z, e) in _chunks(rows, scratch):
             _scaled_into(z, logits[chunk], temperature)  # (c, V)
-            logps[chunk], log_norms[chunk], _, chunk_entropy = _score_chunk(
-                z, e, targets[chunk], with_entropy
+            logps[chunk], log_norms[chunk], _, chunk_entropy, chunk_kept = _score_chunk(
+                z, e, targets[chunk], with_entropy, truncation
             )
             if with_entropy:
                 entropy[chunk] = chunk_entropy
+            if truncation is not None:
+                kept[chunk] = chunk_kept
         ctx.save_for_backward(logits, targets, log_norms, entropy)
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
-        return logps, entropy
+        ctx.mark_non_differentiable(kept)
+        return logps, entropy, kept
 
     @staticmethod
-    def backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+    def backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None, _grad_kept: None):
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
             return _TokenLogps._backward(ctx, grad_logps, grad_entropy)
 
     @staticmethod
     def _backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         if grad_logps is None and grad_entropy is None:
-            return None, None, None, None
+            return None, None, None, None, None
         logits, targets, log_norms, entropy = ctx.saved_tensors
         grad = torch.empty_like(logits)  # (M, V)
         scratch = _buffers(logits, *logits.shape, (torch.float32, torch.float32))
@@ -150,7 +197,7 @@ class _TokenLogps(torch.autograd.Function):
             _scaled_into(log_p, logits[chunk], ctx.temperature)
             grads = _logit_grads(log_p, p, targets, log_norms, entropy, grad_logps, grad_entropy, chunk)
             grad[chunk] = grads if ctx.temperature == 1.0 else grads.div_(ctx.temperature)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def token_logps_and_entropy(
@@ -158,15 +205,17 @@ def token_logps_and_entropy(
     targets: torch.Tensor,
     temperature: float = 1.0,
     with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(targets) (...) and optionally the token entropy (...) of logits (..., V), in float32.
+    truncation: Truncation | None = None,
+) -> TokenScores:
+    """log p(targets) (...), optionally the token entropy (...) and the log of the mass `truncation`
+    keeps (...) of logits (..., V), in float32.
 
-    Both carry gradients to the logits (the entropy's cost nothing unless something uses it, such
-    as an entropy bonus); see `_TokenLogps`.
+    The first two carry gradients to the logits (the entropy's cost nothing unless something uses
+    it, such as an entropy bonus); see `_TokenLogps`.
     """
     flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # (M, V), (M,)
-    logps, entropy = _TokenLogps.apply(flat_logits, flat_targets, temperature, with_entropy)
-    return logps.view(targets.shape), entropy.view(targets.shape) if with_entropy else None
+    outputs = _TokenLogps.apply(flat_logits, flat_targets, temperature, with_entropy, truncation)
+    return _scores(outputs, targets.shape, with_entropy, truncation)
 
 
 # Each frozen LM head weight's copy in a lower precision, with the (storage, version) it was cast at.
@@ -202,22 +251,26 @@ class _HeadTokenLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, dtype: torch.dtype):
+    def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, dtype, truncation):
         with torch.autocast(hidden.device.type, enabled=False):  # products in `dtype`, softmax in float32
-            return _HeadTokenLogps._forward(ctx, hidden, weight, targets, temperature, with_entropy, dtype)
+            return _HeadTokenLogps._forward(
+                ctx, hidden, weight, targets, temperature, with_entropy, dtype, truncation
+            )
 
     @staticmethod
-    def _forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, dtype: torch.dtype):
-        rows = hidden.shape[0]
+    def _forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, dtype, truncation):
         states, weight = hidden.to(dtype), _cast_frozen(weight, dtype)  # (M, E), (V, E)
-        logps = hidden.new_empty(rows, dtype=torch.float32)  # (M,)
-        entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
+        logps, entropy, kept = _outputs(hidden, hidden.shape[0], with_entropy, truncation)  # (M,) each
         directions = torch.empty_like(states) if ctx.needs_input_grad[0] else None  # (M, E)
         for chunk, product, parts in _head_products(states, weight, temperature):
             for tokens, part, z, e in parts:
-                logps[tokens], _, total, part_entropy = _score_chunk(z, e, targets[tokens], with_entropy)
+                logps[tokens], _, total, part_entropy, part_kept = _score_chunk(
+                    z, e, targets[tokens], with_entropy, truncation
+                )
                 if with_entropy:
                     entropy[tokens] = part_entropy
+                if truncation is not None:
+                    kept[tokens] = part_kept
                 if directions is not None:  # the logits' rows become onehot(t) - p
                     ones = e.new_ones(1, 1).expand(z.shape[0], 1)
                     product[part] = e.div_(-total.unsqueeze(-1)).scatter_add_(
@@ -227,16 +280,16 @@ class _HeadTokenLogps(torch.autograd.Function):
                 torch.mm(product, weight, out=directions[chunk])  # (c, E)
         ctx.save_for_backward(directions)
         ctx.temperature, ctx.hidden_dtype = temperature, hidden.dtype
-        ctx.mark_non_differentiable(entropy)
-        return logps, entropy
+        ctx.mark_non_differentiable(entropy, kept)
+        return logps, entropy, kept
 
     @staticmethod
-    def backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: None):
+    def backward(ctx, grad_logps: torch.Tensor | None, _grad_entropy: None, _grad_kept: None):
         (directions,) = ctx.saved_tensors
         grad = None
         if grad_logps is not None and directions is not None:
             grad = (directions * (grad_logps / ctx.temperature).unsqueeze(-1)).to(ctx.hidden_dtype)  # (M, E)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 class _RecomputedHeadTokenLogps(torch.autograd.Function):
@@ -252,29 +305,30 @@ class _RecomputedHeadTokenLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, dtype: torch.dtype):
+    def forward(ctx, hidden, weight, targets, temperature: float, with_entropy: bool, dtype, truncation):
         with torch.autocast(hidden.device.type, enabled=False):  # products in `dtype`, softmax in float32
-            rows = hidden.shape[0]
-            logps = hidden.new_empty(rows, dtype=torch.float32)  # (M,)
+            logps, entropy, kept = _outputs(hidden, hidden.shape[0], with_entropy, truncation)  # (M,) each
             log_norms = torch.empty_like(logps)  # (M,) logsumexp(z)
-            entropy = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
             for _, _, parts in _head_products(hidden.to(dtype), weight.to(dtype), temperature):
                 for tokens, _, z, e in parts:
-                    logps[tokens], log_norms[tokens], _, part_entropy = _score_chunk(
-                        z, e, targets[tokens], with_entropy
+                    logps[tokens], log_norms[tokens], _, part_entropy, part_kept = _score_chunk(
+                        z, e, targets[tokens], with_entropy, truncation
                     )
                     if with_entropy:
                         entropy[tokens] = part_entropy
+                    if truncation is not None:
+                        kept[tokens] = part_kept
         ctx.save_for_backward(hidden, weight, targets, log_norms, entropy)
         ctx.temperature, ctx.dtype = temperature, dtype
         ctx.set_materialize_grads(False)
-        return logps, entropy
+        ctx.mark_non_differentiable(kept)
+        return logps, entropy, kept
 
     @staticmethod
-    def backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None):
+    def backward(ctx, grad_logps: torch.Tensor | None, grad_entropy: torch.Tensor | None, _grad_kept: None):
         hidden, weight, targets, log_norms, entropy = ctx.saved_tensors
         if grad_logps is None and grad_entropy is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         with torch.autocast(hidden.device.type, enabled=False):
             states, cast = hidden.to(ctx.dtype), weight.to(ctx.dtype)  # (M, E), (V, E)
             grad_hidden = torch.empty_like(states) if ctx.needs_input_grad[0] else None  # (M, E)
@@ -292,6 +346,7 @@ class _RecomputedHeadTokenLogps(torch.autograd.Function):
         return (
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),
+            None,
             None,
             None,
             None,
@@ -334,13 +389,17 @@ def head_token_logps(
     with_entropy: bool,
     dtype: torch.dtype,
     entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(targets) and the entropy of the logits hidden (M, E) @ weight.T, with weight (V, E).
+    truncation: Truncation | None = None,
+) -> TokenScores:
+    """log p(targets), the entropy (if `with_entropy`) and the kept log-mass of `truncation` (if
+    given) of the logits hidden (M, E) @ weight.T, with weight (V, E), each (M,) float32.
 
-    The products are taken in `dtype`. Both results are (M,) float32; the entropy is empty unless
-    `with_entropy`. A frozen weight and an entropy without gradient take `_HeadTokenLogps`
-    (no recompute); a trainable weight or `entropy_grad` take `_RecomputedHeadTokenLogps`.
+    The products are taken in `dtype`. A frozen weight and an entropy without gradient take
+    `_HeadTokenLogps` (no recompute); a trainable weight or `entropy_grad` take
+    `_RecomputedHeadTokenLogps`.
     """
+    function = _HeadTokenLogps
     if weight.requires_grad or (with_entropy and entropy_grad):
-        return _RecomputedHeadTokenLogps.apply(hidden, weight, targets, temperature, with_entropy, dtype)
-    return _HeadTokenLogps.apply(hidden, weight, targets, temperature, with_entropy, dtype)
+        function = _RecomputedHeadTokenLogps
+    outputs = function.apply(hidden, weight, targets, temperature, with_entropy, dtype, truncation)
+    return _scores(outputs, targets.shape, with_entropy, truncation)

@@ -9,10 +9,16 @@ TRL 1.16's semantics.
   prompt's last message (a row without a `prompt` starts from an empty user message, so the string
   is the prompt); `get_reward()` (optional, plain or `async def`) scores the finished episode from
   the environment's state.
-- Both run with a time limit, `environment_timeout` (ours; TRL has none): past it the call is
-  abandoned (`tools.call_with_timeout`) and a `TimeoutError` names the method and the setting. A
-  stuck reset stops the run; a stuck get_reward is a failing reward function (`reward_error_policy`:
-  the run stops, or under 'zero' the episode scores 0), and its instance leaves the pool.
+- Each instance lives on a thread of its own (`data.calls.CallThread`): it is made there, and its
+  reset, its tools and get_reward run there, one call at a time. TRL runs them all on the caller's
+  thread; one thread per instance keeps what matters of that (an environment may hold an object
+  bound to the thread that made it, such as a `sqlite3` connection) while episodes run concurrently
+  and a call can be given up on.
+- reset and get_reward run with a time limit, `environment_timeout` (ours; TRL has none): past it
+  the call is abandoned and a `TimeoutError` names the method and the setting. A stuck reset stops
+  the run; a stuck get_reward is a failing reward function (`reward_error_policy`: the run stops,
+  or under 'zero' the episode scores 0), and its instance leaves the pool. A call on an instance
+  waits for the calls before it (an abandoned tool call still running, say) within its own limit.
 - Construct once, reset often: one instance per name is made at construction (to check it and read
   its tools) and pooled; a batch draws one instance per row, and the pool grows only when a batch
   needs more instances of an environment than exist. Every row's instance is reset before its
@@ -32,7 +38,7 @@ from collections.abc import Callable
 from datasets import Dataset
 
 from grpo_hf.config.grpo_config import GRPOConfig
-from grpo_hf.episodes.tools import CallTimeout, call_with_timeout
+from grpo_hf.data.calls import CallThread, CallTimeout
 
 EMPTY_PROMPT = [{"role": "user", "content": ""}]
 
@@ -53,13 +59,15 @@ class EnvironmentPool:
             raise ValueError("environment_factory is an empty dict; map at least one name to a factory.")
         self.probes: dict[str | None, object] = {}  # one instance per name: its tools, its reward
         self._pool: dict[str | None, list[object]] = {}
+        self._threads: dict[int, CallThread] = {}  # each instance's own thread, by id()
+        self._retired: list[object] = []  # discarded instances, their threads kept for this batch
         for name, factory in self.factories.items():
-            label = "environment_factory" + (f"[{name!r}]" if self.multi else "")
+            label = self._label(name)
             if not callable(factory):
                 raise ValueError(
                     f"{label} is {factory!r}; pass a class or a function that returns an environment."
                 )
-            instance = factory()
+            instance = self._make(name)
             if not inspect.isfunction(getattr(type(instance), "reset", None)):
                 raise ValueError(
                     f"{label} made a {type(instance).__name__}, which has no reset method; every environment "
@@ -69,9 +77,46 @@ class EnvironmentPool:
             self.probes[name] = instance
             self._pool[name] = [instance]
 
+    def _label(self, name: str | None) -> str:
+        return "environment_factory" + (f"[{name!r}]" if self.multi else "")
+
+    def _make(self, name: str | None) -> object:
+        """A new instance of environment `name`, made on the thread that will run all its calls."""
+        thread = CallThread(f"grpo-hf {self._label(name)}")
+        instance = thread.call(self.factories[name], None, f"{self._label(name)}()")
+        self._threads[id(instance)] = thread
+        return instance
+
+    def thread(self, environment: object) -> CallThread:
+        """The thread that runs `environment`'s calls (an instance of this pool, or one discarded
+        during the current batch)."""
+        return self._threads[id(environment)]
+
+    def call(self, environment: object, method: str, **kwargs) -> object:
+        """`environment.<method>(**kwargs)` on its thread, run to its end when it is `async def`,
+        within `environment_timeout`; past it, a `CallTimeout` (a TimeoutError) naming the method and
+        the setting (the call is abandoned: it may still run on the environment)."""
+
+        def call() -> object:
+            result = getattr(environment, method)(**kwargs)
+            return asyncio.run(result) if inspect.iscoroutine(result) else result
+
+        try:
+            return self.thread(environment).call(
+                call, self.timeout, f"{type(environment).__name__}.{method}()"
+            )
+        except CallTimeout as err:
+            raise CallTimeout(
+                f"{err} (environment_timeout={self.timeout:g}): fix the environment, or raise environment_timeout "
+                f"if its {method} needs longer."
+            ) from None
+
     def start_episodes(self, rows: list[dict]) -> tuple[list[object], list[str | None], list[list[dict]]]:
         """One reset instance per row: the instances, their names, and the rows' prompts (with what
-        `reset` returned appended)."""
+        `reset` returned appended). The previous batch's discarded instances let go of their threads."""
+        for gone in self._retired:
+            del self._threads[id(gone)]
+        self._retired = []
         names = [row.get("environment") for row in rows] if self.multi else [None] * len(rows)
         unknown = set(names) - self.factories.keys()
         if unknown:
@@ -84,18 +129,31 @@ class EnvironmentPool:
         for name in names:
             pool, index = self._pool[name], drawn.get(name, 0)
             if index == len(pool):
-                pool.append(self.factories[name]())
+                pool.append(self._make(name))
             drawn[name] = index + 1
             instances.append(pool[index])
-        prompts = [
-            reset_prompt(instance, row, self.multi, self.timeout)
-            for instance, row in zip(instances, rows, strict=True)
-        ]
+        prompts = [self._reset_prompt(instance, row) for instance, row in zip(instances, rows, strict=True)]
         return instances, names, prompts
+
+    def _reset_prompt(self, environment: object, row: dict) -> list[dict]:
+        """Reset `environment` with the row (less its `environment` routing column) and return the
+        prompt, what `reset` returned appended to its last message."""
+        kwargs = {k: v for k, v in row.items() if k != "environment"} if self.multi else row
+        observation = self.call(environment, "reset", **kwargs)
+        prompt = row.get("prompt", EMPTY_PROMPT)
+        if observation is None:
+            return prompt
+        if not isinstance(observation, str):
+            raise TypeError(
+                f"{type(environment).__name__}.reset returned {type(observation).__name__}; return None or a str "
+                "(appended to the prompt's last message)."
+            )
+        return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
 
     def discard(self, instances: list[object]) -> None:
         """Take these instances out of the pool (a fresh one is made when a batch needs it)."""
         for pool in self._pool.values():
+            self._retired += [kept for kept in pool if any(kept is gone for gone in instances)]
             pool[:] = [kept for kept in pool if all(kept is not gone for gone in instances)]
 
     def discard_timed_out(self, instances: list[object], episodes: list) -> None:
@@ -107,7 +165,7 @@ class EnvironmentPool:
         classes = dict.fromkeys(
             type(p) for p in self.probes.values() if inspect.isfunction(getattr(type(p), "get_reward", None))
         )
-        return [environment_reward(cls, self.timeout, self.discard) for cls in classes]
+        return [environment_reward(cls, self) for cls in classes]
 
     def check_dataset(self, dataset, name: str) -> None:
         """A dict of environments needs an `environment` column naming known environments."""
@@ -128,24 +186,6 @@ class EnvironmentPool:
                 )
 
 
-def call_environment(environment: object, method: str, timeout: float, **kwargs) -> object:
-    """`environment.<method>(**kwargs)`, run to its end when it is `async def`, within `timeout`
-    seconds; past it, a `CallTimeout` (a TimeoutError) naming the method and `environment_timeout`
-    (the call is abandoned: its thread may still run on the environment)."""
-
-    def call() -> object:
-        result = getattr(environment, method)(**kwargs)
-        return asyncio.run(result) if inspect.iscoroutine(result) else result
-
-    try:
-        return call_with_timeout(call, timeout, f"{type(environment).__name__}.{method}()")
-    except CallTimeout as err:
-        raise CallTimeout(
-            f"{err} (environment_timeout={timeout:g}): fix the environment, or raise environment_timeout if "
-            f"its {method} needs longer."
-        ) from None
-
-
 def environment_pool(
     environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None, args: GRPOConfig
 ) -> EnvironmentPool | None:
@@ -155,39 +195,20 @@ def environment_pool(
     return EnvironmentPool(environment_factory, args.environment_timeout)
 
 
-def reset_prompt(environment: object, row: dict, multi: bool, timeout: float) -> list[dict]:
-    """Reset `environment` with the row (less its `environment` routing column) within `timeout`
-    seconds and return the prompt, what `reset` returned appended to its last message."""
-    observation = call_environment(
-        environment,
-        "reset",
-        timeout,
-        **({k: v for k, v in row.items() if k != "environment"} if multi else row),
-    )
-    prompt = row.get("prompt", EMPTY_PROMPT)
-    if observation is None:
-        return prompt
-    if not isinstance(observation, str):
-        raise TypeError(
-            f"{type(environment).__name__}.reset returned {type(observation).__name__}; return None or a str "
-            "(appended to the prompt's last message)."
-        )
-    return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
-
-
-def environment_reward(cls: type, timeout: float, discard: Callable[[list[object]], None]) -> Callable:
-    """A reward function calling `get_reward()`, within `timeout` seconds, on each rollout's
-    environment of exactly class `cls` (None for other classes), `async def` when `get_reward` is
-    (it then awaits each call on a helper thread); named after the class. An instance whose
-    get_reward timed out goes to `discard` before the error propagates."""
+def environment_reward(cls: type, pool: EnvironmentPool) -> Callable:
+    """A reward function calling `get_reward()` (`EnvironmentPool.call`: on the instance's thread,
+    within environment_timeout) on each rollout's environment of exactly class `cls` (None for other
+    classes), `async def` when `get_reward` is (it then awaits each call on a helper thread); named
+    after the class. An instance whose get_reward timed out leaves the pool before the error
+    propagates."""
 
     def score(environment: object) -> float | None:
         if type(environment) is not cls:
             return None
         try:
-            return call_environment(environment, "get_reward", timeout)
+            return pool.call(environment, "get_reward")
         except CallTimeout:  # its call may still run on it
-            discard([environment])
+            pool.discard([environment])
             raise
 
     if inspect.iscoroutinefunction(cls.get_reward):

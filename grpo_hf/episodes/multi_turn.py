@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from grpo_hf.data.calls import CallThread
 from grpo_hf.data.rollout import Rollout, ScoredRound, left_padded, tokenize_prompts
 from grpo_hf.episodes.tools import (
     ToolCall,
@@ -87,6 +88,7 @@ def tool_episodes(
     chat_template_kwargs: dict | None = None,
     pad_to_multiple_of: int | None = None,
     any_active: Callable[[bool], bool] | None = None,
+    threads: list[CallThread] | None = None,
 ) -> tuple[Rollout, list[list[dict]], list[Episode]]:
     """Chat prompts, each with its row's tools (`schemas[i]`) described (`tools.render_tool_prompt`),
     then `run_episodes`. `chat_template_kwargs` go to the chat template for the prompts and the tool
@@ -110,6 +112,7 @@ def tool_episodes(
         timeout=timeout,
         chat_template_kwargs=chat_template_kwargs,
         any_active=any_active,
+        threads=threads,
     )
 
 
@@ -126,9 +129,11 @@ def run_episodes(
     timeout: float,
     chat_template_kwargs: dict | None = None,
     any_active: Callable[[bool], bool] | None = None,
+    threads: list[CallThread] | None = None,
 ) -> tuple[Rollout, list[list[dict]], list[Episode]]:
     """Episodes for (B, P) left-padded prompts; `tools[i]` are row i's tools by name, `schemas[i]`
-    their descriptions (for a `response_template` parser to type the arguments).
+    their descriptions (for a `response_template` parser to type the arguments), `threads[i]` the
+    thread its calls run on (its environment's; None: each call on a thread of its own).
 
     Returns the rollout (completions right-padded, with `tool_mask`), each episode's messages, and
     the episodes (their tool-call counts). `any_active(this process has episodes going)` says whether
@@ -150,7 +155,8 @@ def run_episodes(
         for row, (i, budget) in enumerate(zip(active, budgets, strict=True)):
             last = turn == max_iterations
             calls.append(_take_turn(episodes[i], result, row, budget, parse, schemas[i], last))
-        results = run_episode_calls(calls, [tools[i] for i in active], timeout)
+        turn_threads = None if threads is None else [threads[i] for i in active]
+        results = run_episode_calls(calls, [tools[i] for i in active], timeout, turn_threads)
         for i, turn_calls, turn_results in zip(active, calls, results, strict=True):
             if turn_calls:
                 _add_tool_results(episodes[i], turn_results, render, max_completion_length)
@@ -169,11 +175,13 @@ def trainer_tool_episodes(
     generate: GenerateTurn | None = None,
 ) -> tuple[Rollout, list, list[int]]:
     """`GRPOTrainer`'s multi-turn episodes with each row's tools (of `environments[i]`, named
-    `names[i]`): `tool_episodes` with the run's settings; then the environments of abandoned calls
-    are discarded. Returns the rollout, the completions and this process's `episode_counts`.
+    `names[i]`): `tool_episodes` with the run's settings, each row's calls on its environment's
+    thread; then the environments of abandoned calls are discarded. Returns the rollout, the
+    completions and this process's `episode_counts`.
     `generate`: async GRPO's generation thread, sampling this process's rows alone (no lockstep);
     default `trainer.generate_completions`, every process in step."""
     args, accelerator, toolbox = trainer.args, trainer.accelerator, trainer.toolbox
+    pool = trainer.environment_pool
     result, messages, episodes = tool_episodes(
         prompts,
         toolbox.for_episodes(environments, len(prompts)),
@@ -188,9 +196,10 @@ def trainer_tool_episodes(
         chat_template_kwargs=args.chat_template_kwargs,
         pad_to_multiple_of=args.pad_to_multiple_of,
         any_active=None if generate else trainer.generator.any_active,
+        threads=None if environments is None else [pool.thread(e) for e in environments],
     )
     if environments is not None:  # an abandoned call may still be running on its environment
-        trainer.environment_pool.discard_timed_out(environments, episodes)
+        pool.discard_timed_out(environments, episodes)
     return result, messages, episode_counts(episodes)
 
 

@@ -21,12 +21,14 @@ are tools, are `environments`.
   episode ends there, as in TRL and in vLLM's tool parsers at inference: a malformed call is no
   call. A turn with calls becomes `{"role": "assistant", "content": <text outside the calls>,
   "tool_calls": [{"type": "function", "function": {"name", "arguments"}}]}` (transformers' shape).
-- Running: every call against the given functions (plain or `async def`), each in its own thread
-  with a timeout. An unknown tool, arguments that do not fit, a raising tool or a timeout give the
-  tool message `{"error": "..."}` and count as a failed call, so one bad call never stops training.
-  Calls of one episode run in order (an environment's state may depend on it), episodes run
-  concurrently. A call that times out is abandoned, not killed: its thread runs on in the
-  background (Python cannot stop a thread). A result is sent as is when it is a str, else as JSON.
+- Running: every call against the given functions (plain or `async def`), with a timeout, on the
+  episode's environment's own thread (`data.calls.CallThread`, where its reset and get_reward run
+  too) or, without an environment, on a thread of its own. An unknown tool, arguments that do not
+  fit, a raising tool or a timeout give the tool message `{"error": "..."}` and count as a failed
+  call, so one bad call never stops training. Calls of one episode run in order (an environment's
+  state may depend on it), episodes run concurrently. A call that times out is abandoned, not
+  killed: it runs on in the background (Python cannot stop a thread), and its environment's later
+  calls wait for it, each within its own time limit. A result is sent as is when it is a str, else as JSON.
 - Rendering: tool messages become the tokens the chat template puts between the model's turn
   and the next assistant turn (`ToolResultRenderer`), found by rendering a conversation with and
   without them, so every template that renders `tool` messages works without per-model code.
@@ -36,7 +38,6 @@ import asyncio
 import inspect
 import json
 import re
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ from dataclasses import dataclass
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import get_json_schema
+
+from grpo_hf.data.calls import CallThread, CallTimeout, call_with_timeout
+from grpo_hf.data.tool_results import tool_error
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -266,64 +270,44 @@ def _calls_of(payloads: list) -> list[ToolCall]:
     return calls
 
 
-def run_tool_calls(calls: list[ToolCall], tools: dict[str, Callable], timeout: float) -> list[ToolResult]:
-    """One tool message per call, in order; failures become `{"error": ...}` messages, not exceptions."""
-    return [_run_with_timeout(call, tools, timeout) for call in calls]
-
-
-def is_tool_error(message: dict) -> bool:
-    """Whether a tool message reports a failed call (`{"error": ...}`, from `run_tool_calls` or the tool)."""
-    return str(message.get("content")).startswith('{"error": ')
+def run_tool_calls(
+    calls: list[ToolCall], tools: dict[str, Callable], timeout: float, thread: CallThread | None = None
+) -> list[ToolResult]:
+    """One tool message per call, in order; failures become `{"error": ...}` messages, not exceptions.
+    Each call runs on `thread` (an environment's own) or, without one, on a thread of its own."""
+    return [_run_with_timeout(call, tools, timeout, thread) for call in calls]
 
 
 def run_episode_calls(
-    calls: list[list[ToolCall]], tools: list[dict[str, Callable]], timeout: float
+    calls: list[list[ToolCall]],
+    tools: list[dict[str, Callable]],
+    timeout: float,
+    threads: list[CallThread] | None = None,
 ) -> list[list[ToolResult]]:
-    """`run_tool_calls` for several episodes at once: episodes concurrently, each one's calls in order."""
+    """`run_tool_calls` for several episodes at once: episodes concurrently, each one's calls in order
+    (on `threads[i]`, episode i's environment's thread, when given)."""
     busy = [i for i, episode in enumerate(calls) if episode]
     results: list[list[ToolResult]] = [[] for _ in calls]
     if not busy:
         return results
+    threads = threads or [None] * len(calls)
     with ThreadPoolExecutor(max_workers=min(len(busy), 64)) as pool:
-        futures = {i: pool.submit(run_tool_calls, calls[i], tools[i], timeout) for i in busy}
+        futures = {i: pool.submit(run_tool_calls, calls[i], tools[i], timeout, threads[i]) for i in busy}
         for i, future in futures.items():
             results[i] = future.result()
     return results
 
 
-class CallTimeout(TimeoutError):
-    """A `call_with_timeout` call that did not return in time (not a TimeoutError the call raised)."""
-
-
-def call_with_timeout(func: Callable[[], object], timeout: float, what: str) -> object:
-    """`func()` on a daemon thread; what it returns, or what it raised raised here. Past `timeout`
-    seconds it is abandoned with a `CallTimeout` naming `what`: not stopped, its thread runs on in
-    the background (Python cannot stop a thread). Every call with a time limit goes through here
-    (tool calls, environments' reset / get_reward, Hub uploads)."""
-    outcome: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = func()
-        except BaseException as err:  # handed to the caller
-            outcome["error"] = err
-
-    worker = threading.Thread(target=run, daemon=True, name=f"timeout: {what}")
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise CallTimeout(f"{what} did not return within {timeout:g} s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
-def _run_with_timeout(call: ToolCall, tools: dict[str, Callable], timeout: float) -> ToolResult:
-    """`_run` abandoned after `timeout` seconds (then a failed, timed-out call)."""
+def _run_with_timeout(
+    call: ToolCall, tools: dict[str, Callable], timeout: float, thread: CallThread | None
+) -> ToolResult:
+    """`_run` on `thread` (or a thread of its own), abandoned after `timeout` seconds (then a failed,
+    timed-out call)."""
+    run = call_with_timeout if thread is None else thread.call
     try:
-        content, failed = call_with_timeout(lambda: _run(call, tools), timeout, call.name)
+        content, failed = run(lambda: _run(call, tools), timeout, call.name)
     except CallTimeout as err:
-        return ToolResult(_tool_message(call, _error(f"{err}.")), True, True)
+        return ToolResult(_tool_message(call, tool_error(f"{err}.")), True, True)
     return ToolResult(_tool_message(call, content), failed)
 
 
@@ -331,21 +315,17 @@ def _tool_message(call: ToolCall, content: str) -> dict:
     return {"role": "tool", "name": call.name, "content": content}
 
 
-def _error(reason: str) -> str:
-    return json.dumps({"error": reason})
-
-
 def _run(call: ToolCall, tools: dict[str, Callable]) -> tuple[str, bool]:
     """The call's result as text, and whether it failed."""
     if call.error is not None:
-        return _error(call.error), True
+        return tool_error(call.error), True
     tool = tools.get(call.name)
     if tool is None:
-        return _error(f"unknown tool {call.name!r}; the tools are {sorted(tools)}."), True
+        return tool_error(f"unknown tool {call.name!r}; the tools are {sorted(tools)}."), True
     try:
         inspect.signature(tool).bind(**call.arguments)
     except TypeError as err:
-        return _error(f"wrong arguments for {call.name}: {err}."), True
+        return tool_error(f"wrong arguments for {call.name}: {err}."), True
     except ValueError:  # no signature to check against (a builtin): let the call tell
         pass
     try:
@@ -354,7 +334,7 @@ def _run(call: ToolCall, tools: dict[str, Callable]) -> tuple[str, bool]:
         else:
             result = tool(**call.arguments)
     except Exception as err:  # a tool failing on the policy's input is feedback, not a crash
-        return _error(f"{call.name} raised {type(err).__name__}: {err}"), True
+        return tool_error(f"{call.name} raised {type(err).__name__}: {err}"), True
     return (result if isinstance(result, str) else json.dumps(result, default=str)), False
 
 

@@ -8,7 +8,7 @@ punishment as `get_soft_overlong_punishment`, under another metric name).
 
 import re
 
-from grpo_hf.episodes.tools import is_tool_error
+from grpo_hf.data.tool_results import is_tool_error
 from grpo_hf.rewards.scoring import RewardFunc
 from grpo_hf.rewards.text import completion_text
 
@@ -35,7 +35,7 @@ def make_format_reward(
 
 
 def tool_use_reward(completions: list, **kwargs) -> list[float | None]:
-    """1.0 if the completion has a tool message that is not an error (`tools.is_tool_error`), else 0.0."""
+    """1.0 if the completion has a tool message that is not an error (`tool_results.is_tool_error`), else 0.0."""
     return [
         float(isinstance(c, list) and any(m.get("role") == "tool" and not is_tool_error(m) for m in c))
         for c in completions

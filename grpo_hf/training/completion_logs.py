@@ -32,8 +32,8 @@ from transformers import TrainerCallback
 
 from grpo_hf.algorithm.advantages import combine_rewards
 from grpo_hf.config.grpo_config import GRPOConfig
+from grpo_hf.data.calls import call_with_timeout
 from grpo_hf.data.rollout import ScoredRound, message_text, transcript
-from grpo_hf.episodes.tools import call_with_timeout
 
 logger = logging.getLogger(__name__)
 

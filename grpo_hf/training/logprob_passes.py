@@ -39,6 +39,7 @@ gradients, are unchanged; not under bnpo, whose mean is over each micro-batch's 
 import torch
 
 from grpo_hf.algorithm.policy_terms import POLICY_TERMS
+from grpo_hf.algorithm.sampler_correction import on_policy_support
 from grpo_hf.data.batches import trim_padding
 from grpo_hf.data.token_budget import balance_rows, budget_passes, rows_in_passes
 from grpo_hf.models.reference import reference_context
@@ -81,20 +82,26 @@ def balanced_round(trainer, batch: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 def pass_logps(trainer, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One pass's (B, C) `old_logps` (if the policy moves within the round) and `ref_logps` (if
-    beta > 0): no grad, in the loss's precision (the trainer's bf16 autocast)."""
-    out = {}
+    """`batch` with one pass's (B, C) `old_logps` (if the policy moves within the round) and
+    `ref_logps` (if beta > 0), no grad, in the loss's precision (the trainer's bf16 autocast); the
+    sampler's log-probs put on pi_old's support where the truncation is replayed (`on_policy_support`)."""
+    return on_policy_support(*_logps(trainer, batch))
+
+
+def _logps(trainer, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """(`batch` with its old / reference log-probs, the (B, C) log-mass pi_old's replayed truncation keeps)."""
+    out, kept = dict(batch), None
     with torch.no_grad(), trainer.compute_loss_context_manager():
         if trainer.needs_old_logps():
-            out["old_logps"] = trainer.completion_logps(trainer.model_wrapped, batch)[0]
+            out["old_logps"], _, kept = trainer.completion_logps(trainer.model_wrapped, batch)
         if trainer.beta > 0:
             with reference_context(trainer.model, trainer.ref_model) as ref:
-                out["ref_logps"] = trainer.completion_logps(ref, batch)[0]
-    return out
+                out["ref_logps"] = trainer.completion_logps(ref, batch, replay=False)[0]
+    return out, kept
 
 
 def round_logps(trainer, batch: dict[str, torch.Tensor], token_budget: int) -> dict[str, torch.Tensor]:
-    """The round's (B, C) old and reference log-probs (those `pass_logps` computes), in passes of at
+    """`batch` with the round's (B, C) old and reference log-probs (as `pass_logps`), in passes of at
     most `token_budget` tokens, as many on every process; zeros past each row's pass width."""
     tokens = batch["attention_mask"].sum(dim=1).tolist()  # (B,) each row's prompt and completion tokens
     local = torch.tensor([budget_passes(tokens, token_budget)], device=batch["attention_mask"].device)
@@ -104,10 +111,14 @@ def round_logps(trainer, batch: dict[str, torch.Tensor], token_budget: int) -> d
         part = trim_padding(
             {key: value[rows] for key, value in batch.items()}, trainer.args.pad_to_multiple_of
         )
-        for name, logps in pass_logps(trainer, part).items():  # (R, C') each
+        computed, kept = _logps(trainer, part)
+        found = {name: computed[name] for name in ("old_logps", "ref_logps") if name in computed}
+        found |= {"kept_log_mass": kept} if kept is not None else {}
+        for name, logps in found.items():  # (R, C') each
             target = out.setdefault(name, logps.new_zeros(batch["completion_mask"].shape))  # (B, C)
             target[rows, : logps.shape[1]] = logps
-    return out
+    kept = out.pop("kept_log_mass", None)
+    return on_policy_support(batch | out, kept)
 
 
 def check_policy_passes(args, deepspeed: bool, router_aux_coef: float) -> None:

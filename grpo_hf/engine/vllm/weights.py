@@ -11,19 +11,20 @@ no NCCL), as a LoRA policy's adapter alone (`AdapterWeights`: a PEFT folder regi
 `/v1/load_lora_adapter`, which requests then name as their model), or over NCCL (`NcclWeights`: vLLM's weight-transfer API, trainer process 0 broadcasting
 to the server's workers; CUDA only, so it was not run on the CPU machines this was built on; its
 calls were read against vLLM 0.32's source). An NCCL call whose peer never comes blocks for ever:
-the rendezvous and each transfer run on a helper thread, given up after vllm_server_request_timeout.
+the rendezvous and each transfer run on a helper thread (`data.calls.call_with_timeout`), given up
+after vllm_server_request_timeout.
 """
 
 import os
 import shutil
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from urllib.parse import urlparse
 
 import torch
 from torch import nn
 
+from grpo_hf.data.calls import CallTimeout, call_with_timeout
 from grpo_hf.engine.generation_copy import policy_weights
 from grpo_hf.engine.vllm.client import VLLMClient
 from grpo_hf.models.policy import base_model
@@ -206,27 +207,17 @@ class NcclWeights:
 
 
 def within(seconds: float, work: Callable[[], None], what: str) -> None:
-    """`work()` on a daemon thread (one left blocked does not keep the process from exiting), given
-    up after `seconds` with a TimeoutError; its own error re-raised."""
-    errors: list[Exception] = []
-
-    def run() -> None:
-        try:
-            work()
-        except Exception as error:  # handed to the caller
-            errors.append(error)
-
-    worker = threading.Thread(target=run, daemon=True, name="vllm-weights")
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
-        raise TimeoutError(
+    """`work()` on a thread of its own (`data.calls.call_with_timeout`: one left blocked does not keep
+    the process from exiting), given up after `seconds` with a TimeoutError naming the setting; what
+    it raised re-raised."""
+    try:
+        call_with_timeout(work, seconds, what)
+    except CallTimeout:
+        raise CallTimeout(
             f"{what} did not finish within vllm_server_request_timeout={seconds:g} s (the server's workers "
             "never joined, or stopped mid-transfer); check the server's log, --weight-transfer-config and that "
             "vllm_group_port is open, or set vllm_weight_sync='files'."
-        )
-    if errors:
-        raise errors[0]
+        ) from None
 
 
 def _address_towards(base_url: str) -> str:
