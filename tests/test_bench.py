@@ -287,7 +287,7 @@ def test_learning_curve_runs_once_per_seed_with_the_same_other_flags(tmp_path):
     runs = curve.seed_runs(args)
     assert [run.name for run in runs] == ["int8-seed1", "int8-seed2"]
     for seed, run in zip((1, 2), runs, strict=True):
-        _, _, config = curve.load_recipe().parse(curve.recipe_args(run, tmp_path / run.name))
+        _, config, _, _ = curve.script.parse(curve.recipe_args(run, tmp_path / run.name))
         assert (config.seed, config.rollout_quantization) == (seed, "int8")  # --seeds wins over --seed
     assert curve.seed_runs(curve.parse_args([])) == [curve.parse_args([])]
 
