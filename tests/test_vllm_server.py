@@ -18,7 +18,14 @@ from fake_vllm_server import FakeVLLMServer
 from huggingface_hub.utils import filter_repo_objects
 from peft import LoraConfig
 from tiny_models import tiny_llama, tiny_tokenizer
-from trainer_helpers import chat_dataset, free_port, length_reward, make_config
+from trainer_helpers import (
+    BEST_MODEL_SETTINGS,
+    BestAtStep,
+    chat_dataset,
+    free_port,
+    length_reward,
+    make_config,
+)
 from two_processes import launch_two_processes
 
 from grpo_hf import GRPOTrainer
@@ -43,15 +50,17 @@ def server():
     fake.close()
 
 
-def server_trainer(tmp_path, url: str, peft_config=None, **overrides) -> GRPOTrainer:
+def server_trainer(tmp_path, url: str, peft_config=None, eval_dataset=None, callbacks=None, **overrides):
     settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=5.0)
     return GRPOTrainer(
         model=tiny_llama(),
         reward_funcs=length_reward,
         args=make_config(tmp_path, **(settings | overrides)),
         train_dataset=chat_dataset(),
+        eval_dataset=eval_dataset,
         processing_class=TOKENIZER,
         peft_config=peft_config or LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        callbacks=callbacks,
     )
 
 
@@ -276,6 +285,30 @@ def test_lora_training_through_a_server(tmp_path, server):
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if n in before)
     logged = trainer.state.log_history[0]
     assert logged["sampler/ratio_mean"] > 0 and "reward" in logged
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(max_staleness=0, **BEST_MODEL_SETTINGS),
+        dict(max_staleness=1, **BEST_MODEL_SETTINGS),
+        dict(max_staleness=1, weight_sync_steps=2),
+    ],
+    ids=["sync-best-model", "async-best-model", "async-last-step-not-synced"],
+)
+def test_evaluate_after_train_samples_from_the_model_it_scores(tmp_path, server, settings):
+    """Weights that change with no new step reach the server before evaluate() samples: the best
+    model (checkpoint-2) that load_best_model_at_end loads after step 3, synchronous or async; and in
+    async GRPO syncing every 2 steps, step 3's weights, which no sync sent."""
+    trainer = server_trainer(
+        tmp_path, server.url, max_steps=3, eval_dataset=chat_dataset(2), callbacks=[BestAtStep(2)], **settings
+    )
+    trainer.train()
+    reloads = len(server.loaded)
+    trainer.evaluate()
+    assert len(server.loaded) == reloads + 1
+    served, model = server.loaded[-1], dict(policy_weights(trainer.model))
+    assert set(served) == set(model) and all(torch.equal(served[n], model[n]) for n in model)
 
 
 def adapter_tensors(trainer) -> dict[str, torch.Tensor]:

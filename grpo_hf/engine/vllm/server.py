@@ -134,11 +134,9 @@ class ServerGenerator(Generator):
 
     def close(self) -> None:
         """Remove the last weight file (the server holds its weights), or unload the adapters sent
-        (process 0's); then the next call sends the adapter again."""
+        (process 0's)."""
         if self.sender is not None:
             self.sender.close()
-        if self.adapters:
-            self.version = None
 
     def load_policy(self, version: int) -> None:
         model = self.policy()
