@@ -582,6 +582,26 @@ def test_sharded_weights_reach_the_server_whole(tmp_path, server, config):
     assert any(not torch.equal(first[name], second[name]) for name in first)
 
 
+@pytest.mark.parametrize("config", ["cpu_fsdp2.yaml", "cpu_zero3.yaml"], ids=["fsdp2", "zero3"])
+def test_sharded_lora_policies_send_their_whole_adapter(tmp_path, server, config):
+    """A LoRA policy on 2 processes under FSDP2 / ZeRO-3, against a server that takes adapters
+    (vllm_weight_sync='auto' chooses the adapter): each step's adapter reaches the server whole, the
+    first equal to the initial adapter (the same seed on one process), the second moved."""
+    server.lora_config = LORA_SERVER
+    launch_two_processes(
+        ROOT / "tests" / "server_worker.py", [server.url, str(tmp_path), "lora"], tmp_path, config=config
+    )
+    assert [name for name, _ in server.adapter_loads] == [adapter_name(0), adapter_name(1)]
+    assert not any(path == "/collective_rpc" for path, _ in server.requests)  # no merged weights
+    (_, first), (_, second) = server.adapter_loads
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])  # the worker's
+    initial = adapter_tensors(server_trainer(tmp_path / "one", server.url, peft_config=lora))
+    assert set(first) == set(initial)
+    for name, value in initial.items():
+        assert torch.equal(first[name], value), name
+    assert any(not torch.equal(first[name], second[name]) for name in first)
+
+
 def test_dynamic_sampling_extra_rounds_go_to_the_server_with_the_rounds_weights(tmp_path, server):
     """A reward that is flat for every prompt but "1 + 1" leaves groups that teach nothing: extra
     rounds are sampled through the server, with the weights of the round's first call (one update)."""

@@ -123,9 +123,18 @@ def check_adapter(model: nn.Module, lora: dict | None) -> None:
         )
 
 
+def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A plain LoRA policy's adapter tensors, copied from its parameters under their state-dict names
+    (what PEFT's `save_pretrained` takes as `state_dict`). The parameters must be whole
+    (`sharding.unsharded_for_generation`); the model's own `state_dict()` would hand PEFT FSDP2's
+    shards (DTensors), whose storage safetensors cannot read."""
+    return {name: param.detach().clone() for name, param in model.named_parameters() if "lora_" in name}
+
+
 class AdapterWeights:
-    """A LoRA policy's adapter alone (`save_pretrained`: tens of MB where the merged model is the
-    whole model), written to `folder` and registered with the server as `adapter_name(version)`.
+    """A LoRA policy's adapter alone (`save_pretrained` of `adapter_tensors`, whole under FSDP2 /
+    ZeRO-3: tens of MB where the merged model is the whole model), written to `folder` and registered
+    with the server as `adapter_name(version)`.
     Once it is, the one before is unloaded and its folder removed: no request asks for it any more
     (synchronous rounds take the newest; async GRPO finishes the rounds of a version before sending
     the next, `episodes.async_rounds`). The newest keeps its folder while registered (the server
@@ -139,7 +148,7 @@ class AdapterWeights:
         name = adapter_name(version)
         path = os.path.join(self.folder, name)
         shutil.rmtree(path + ".tmp", ignore_errors=True)
-        model.save_pretrained(path + ".tmp", save_embedding_layers=False)
+        model.save_pretrained(path + ".tmp", state_dict=adapter_tensors(model), save_embedding_layers=False)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(path + ".tmp", path)
         self.client.load_lora_adapter(name, path)
