@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import threading
 import time
 import urllib.request
@@ -343,7 +344,8 @@ def test_lora_weight_sync_sends_the_adapter_alone(tmp_path, server, staleness, m
     trainer.generator.load_policy = load_policy
     trainer.train()
     names = [name for name, _ in server.adapter_loads]
-    assert names == [adapter_name(v) for v in range(len(names))] and len(names) >= 4
+    run = trainer.generator.run
+    assert names == [adapter_name(run, v) for v in range(len(names))] and len(names) >= 4
     for (_, tensors), policy in zip(server.adapter_loads, sent, strict=True):
         assert set(tensors) == set(policy) and all(torch.equal(tensors[n], policy[n]) for n in policy)
     assert not torch.equal(
@@ -353,7 +355,7 @@ def test_lora_weight_sync_sends_the_adapter_alone(tmp_path, server, staleness, m
     assert not any(path == "/collective_rpc" for path, _ in server.requests)
     models = [body["model"] for body in server.completions()]
     rounds_from = [0, 1, 2, 3] if staleness == 0 else [0, 0, 1, 2]  # each round's version
-    assert sorted(set(models)) == [adapter_name(v) for v in sorted(set(rounds_from))]
+    assert sorted(set(models)) == [adapter_name(run, v) for v in sorted(set(rounds_from))]
     unloads = [body["lora_name"] for path, body in server.requests if path == "/v1/unload_lora_adapter"]
     assert unloads == names and server.adapters == {}  # each after the next is in, the last at the end
     assert os.listdir(tmp_path / "_vllm-weights") == []
@@ -406,6 +408,29 @@ def test_a_server_without_runtime_lora_loading_is_named(tmp_path, server):
     trainer = server_trainer(tmp_path, server.url, max_steps=1, vllm_weight_sync="lora")
     with pytest.raises(RuntimeError, match="--enable-lora.*VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
         trainer.train()
+
+
+def test_two_runs_on_one_server_keep_their_own_adapters(tmp_path, server):
+    """Two LoRA runs of one run_name (other seeds: other adapters) take turns on one server that
+    takes adapters: each run's requests name its own adapter (the run_name, then the run's random
+    part), which holds its own tensors, and one run ending unloads none of the other's."""
+    server.lora_config = LORA_SERVER
+    runs = [
+        server_trainer(tmp_path / name, server.url, vllm_weight_sync="lora", seed=seed, run_name="sweep 7/lr")
+        for name, seed in (("a", 0), ("b", 1))
+    ]
+    ids = torch.tensor([[5, 6, 7], [5, 6, 7]])
+    named = []  # (run, the model its request named)
+    for run in (0, 1, 0):
+        runs[run].generate_completions(ids, torch.ones_like(ids))
+        named.append((run, server.completions()[-1]["model"]))
+    assert named[0] == named[2] and named[0][1] != named[1][1]
+    assert all(re.fullmatch(r"grpo-hf-sweep-7-lr-[0-9a-f]{8}-v0", model) for _, model in named)
+    for run, model in named:
+        assert set(server.adapters[model]) == set(adapter_tensors(runs[run]))
+        assert all(torch.equal(server.adapters[model][n], v) for n, v in adapter_tensors(runs[run]).items())
+    runs[1].generator.close()
+    assert list(server.adapters) == [named[0][1]]
 
 
 def test_an_adapter_name_the_server_holds_already_is_replaced(tmp_path, server):
@@ -591,7 +616,8 @@ def test_sharded_lora_policies_send_their_whole_adapter(tmp_path, server, config
     launch_two_processes(
         ROOT / "tests" / "server_worker.py", [server.url, str(tmp_path), "lora"], tmp_path, config=config
     )
-    assert [name for name, _ in server.adapter_loads] == [adapter_name(0), adapter_name(1)]
+    names = [name for name, _ in server.adapter_loads]  # the run's identity, drawn by process 0
+    assert names == [names[0].removesuffix("-v0") + suffix for suffix in ("-v0", "-v1")]
     assert not any(path == "/collective_rpc" for path, _ in server.requests)  # no merged weights
     (_, first), (_, second) = server.adapter_loads
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])  # the worker's

@@ -78,6 +78,7 @@ class VLLMSettings:
     vllm_engine_kwargs: dict | None
     max_num_seqs: int
     model_copy_dir: str
+    run_name: str  # names the run's LoRA adapters on a server (`weights.run_identity`)
     trust_remote_code: bool
     revision: str | None
 
