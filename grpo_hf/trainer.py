@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from contextlib import closing, nullcontext
+from contextlib import nullcontext
 
 import torch
 from datasets import Dataset, IterableDataset
@@ -598,7 +598,7 @@ class GRPOTrainer(Trainer):
             load_grpo_state(self, state)
             if self.async_rounds:
                 self.async_rounds.load(resume_from_checkpoint)
-        with self.interrupt.catching_signals(), stopping(self.async_rounds), closing(self.generator):
+        with self.interrupt.catching_signals(), stopping(self.async_rounds), self.generator.around_training():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
 

@@ -1,11 +1,15 @@
 """One process of a 2-process run against a vLLM(-like) server; launched by `accelerate launch`.
 
-    python tests/server_worker.py <server url> <output folder> tools|full|async|uneven|async-turns
+    python tests/server_worker.py <server url> <output folder> tools|full|lora|async|uneven|async-turns
 
 tools: each process runs a tool episode on its own rows (process 0's rows call the tool, so it
 takes two turns while process 1's take one) and writes its episodes' messages to
 <output>/process-<i>.json; then both train one step. full: full fine-tuning for two steps (under
-FSDP2 or ZeRO-3 the weights sent to the server are gathered from the shards). async: async GRPO
+FSDP2 or ZeRO-3 the weights sent to the server are gathered from the shards). lora: the same with a
+LoRA policy (r=16 on q_proj / v_proj; under ZeRO-3 every parameter partitioned, where DeepSpeed's
+default keeps those of under 1e5 elements, all of the tiny model's, whole) and
+vllm_weight_sync='auto' (the adapter alone, against a server that takes LoRA adapters; under
+FSDP2 / ZeRO-3 gathered from the shards). async: async GRPO
 (max_staleness=1) for four steps; each process writes its log history to <output>/log-<i>.json.
 uneven: one step whose rollout_func samples twice on process 0 (first at most 2 tokens) and once on
 process 1, and writes each call's completion lengths to <output>/calls-<i>.json. async-turns: one
@@ -22,6 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from dist_worker import exit_worker, force_fsdp_on_cpu
+from peft import LoraConfig
 from tiny_models import tiny_llama, tiny_tokenizer
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from trainer_helpers import chat_dataset, length_reward, make_config
@@ -78,6 +83,8 @@ def settings_for(url: str, mode: str) -> dict:
     settings |= dict(per_device_train_batch_size=4, num_generations=2, max_steps=2 if mode == "full" else 1)
     if mode == "async":
         settings |= dict(max_staleness=1, max_steps=4)
+    if mode == "lora":
+        settings |= dict(vllm_weight_sync="auto", max_steps=2)
     if mode == "async-turns":
         settings |= dict(max_staleness=1, num_generations=4, max_completion_length=1024, ddp_timeout=6)
         settings |= dict(vllm_server_timeout=5.0, vllm_server_request_timeout=5.0)  # below ddp_timeout
@@ -85,22 +92,28 @@ def settings_for(url: str, mode: str) -> dict:
 
 
 def main(url: str, output: Path, mode: str) -> None:
-    force_fsdp_on_cpu()
+    args = make_config(output, **settings_for(url, mode))
+    force_fsdp_on_cpu()  # after the config, which makes the distributed state it relabels
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"]) if mode == "lora" else None
     trainer = GRPOTrainer(
         model=tiny_llama(),
         reward_funcs=length_reward,
-        args=make_config(output, **settings_for(url, mode)),
+        args=args,
         train_dataset=chat_dataset({"async": 16, "async-turns": 2}.get(mode, 4)),
         processing_class=tiny_tokenizer(),
         tools=[add] if mode in ("tools", "async-turns") else None,
         rollout_func=uneven_rollout(output) if mode == "uneven" else None,
+        peft_config=lora,
         callbacks=[GlooTimeout()] if mode == "async-turns" else None,
     )
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    if mode == "lora" and plugin is not None:  # ZeRO-3 partitions every parameter, however small
+        plugin.deepspeed_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if mode == "async-turns":
         trainer.train()
         (output / f"trained-{trainer.accelerator.process_index}").write_text(str(trainer.state.global_step))
         return
-    if mode in ("full", "async", "uneven"):
+    if mode in ("full", "lora", "async", "uneven"):
         trainer.train()
         if mode == "async":
             log = json.dumps(trainer.state.log_history)

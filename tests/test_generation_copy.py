@@ -4,14 +4,14 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from tiny_models import FAMILIES, tiny_family, tiny_gpt2, tiny_llama, tiny_tokenizer
-from trainer_helpers import chat_dataset, length_reward, make_config
+from trainer_helpers import BEST_MODEL_SETTINGS, BestAtStep, chat_dataset, length_reward, make_config
 from transformers import GenerationConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from grpo_hf import GRPOTrainer
 from grpo_hf.data import rollout
 from grpo_hf.engine import local
-from grpo_hf.engine.generation_copy import DECODE_ATTENTION, GenerationCopy, decode_attention
+from grpo_hf.engine.generation_copy import DECODE_ATTENTION, GenerationCopy, decode_attention, policy_weights
 
 
 def logits(model, ids):
@@ -97,6 +97,30 @@ def test_bf16_training_generates_from_the_copy_and_keeps_the_base_frozen(tmp_pat
     for name, param in trainer.model.get_base_model().named_parameters():
         if "lora_" not in name:
             assert torch.equal(param.cpu(), base[name.replace(".base_layer", "")]), name
+
+
+def test_evaluate_after_train_samples_from_the_best_model_loaded_at_the_end(tmp_path):
+    """load_best_model_at_end loads checkpoint-2 after step 3, with no new optimizer step: the
+    evaluate() that follows samples from a copy refreshed to it (LoRA merged), not step 3's copy."""
+    trainer = GRPOTrainer(
+        model=tiny_llama(),
+        reward_funcs=length_reward,
+        args=make_config(tmp_path, max_steps=3, **BEST_MODEL_SETTINGS),
+        train_dataset=chat_dataset(),
+        eval_dataset=chat_dataset(2),
+        processing_class=tiny_tokenizer(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        callbacks=[BestAtStep(2)],
+    )
+    trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2") and trainer.state.global_step == 3
+    trainer.evaluate()
+    copy = dict(trainer.generator.copy.model.named_parameters())
+    best = dict(policy_weights(trainer.model))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(best[q], trainer.model.get_base_model().model.layers[0].self_attn.q_proj.weight)
+    for name, weight in best.items():
+        torch.testing.assert_close(copy[name], weight, rtol=0, atol=1e-6, msg=name)
 
 
 def test_decode_attention_equals_sdpa_for_one_query_token():

@@ -254,13 +254,13 @@ def test_weights_refreshed_between_rounds_reach_the_compiled_step(cheap_compile,
 def test_new_prompt_buckets_reuse_the_compiled_forward(inductor_compile, eager_graphs):
     """Four prompt-width buckets and back, through inductor: two compilations (the first bucket's
     static shapes, then the cache width symbolic, which transformers' mask code takes), and the
-    compiled forward samples the loop's tokens in every one."""
+    compiled forward samples the loop's tokens in every one (the way back in the 32-column bucket)."""
     model = tiny_qwen2().eval()
     for width in (7, 20, 40, 70, 9):
         loop, compiled = decode_both(model, sampling(top_p=0.9), *prompts(width), width, COMPILED)
         assert_same_rollout(compiled, loop)
     assert inductor_compile.frame_count == 2
-    assert eager_graphs.captures == 4 + 1  # the 16-column state was dropped (MAX_STATES) before its return
+    assert eager_graphs.captures == 4  # the way back runs in the 32-column bucket (held, within MAX_WASTE)
 
 
 @pytest.mark.parametrize("triton", [True, False], ids=["triton", "no-triton"])

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import threading
 import time
 import urllib.request
@@ -18,7 +19,14 @@ from fake_vllm_server import FakeVLLMServer
 from huggingface_hub.utils import filter_repo_objects
 from peft import LoraConfig
 from tiny_models import tiny_llama, tiny_tokenizer
-from trainer_helpers import chat_dataset, free_port, length_reward, make_config
+from trainer_helpers import (
+    BEST_MODEL_SETTINGS,
+    BestAtStep,
+    chat_dataset,
+    free_port,
+    length_reward,
+    make_config,
+)
 from two_processes import launch_two_processes
 
 from grpo_hf import GRPOTrainer
@@ -43,15 +51,17 @@ def server():
     fake.close()
 
 
-def server_trainer(tmp_path, url: str, peft_config=None, **overrides) -> GRPOTrainer:
+def server_trainer(tmp_path, url: str, peft_config=None, eval_dataset=None, callbacks=None, **overrides):
     settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=5.0)
     return GRPOTrainer(
         model=tiny_llama(),
         reward_funcs=length_reward,
         args=make_config(tmp_path, **(settings | overrides)),
         train_dataset=chat_dataset(),
+        eval_dataset=eval_dataset,
         processing_class=TOKENIZER,
         peft_config=peft_config or LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+        callbacks=callbacks,
     )
 
 
@@ -288,6 +298,30 @@ def test_lora_training_through_a_server(tmp_path, server):
     assert logged["sampler/ratio_mean"] > 0 and "reward" in logged
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(max_staleness=0, **BEST_MODEL_SETTINGS),
+        dict(max_staleness=1, **BEST_MODEL_SETTINGS),
+        dict(max_staleness=1, weight_sync_steps=2),
+    ],
+    ids=["sync-best-model", "async-best-model", "async-last-step-not-synced"],
+)
+def test_evaluate_after_train_samples_from_the_model_it_scores(tmp_path, server, settings):
+    """Weights that change with no new step reach the server before evaluate() samples: the best
+    model (checkpoint-2) that load_best_model_at_end loads after step 3, synchronous or async; and in
+    async GRPO syncing every 2 steps, step 3's weights, which no sync sent."""
+    trainer = server_trainer(
+        tmp_path, server.url, max_steps=3, eval_dataset=chat_dataset(2), callbacks=[BestAtStep(2)], **settings
+    )
+    trainer.train()
+    reloads = len(server.loaded)
+    trainer.evaluate()
+    assert len(server.loaded) == reloads + 1
+    served, model = server.loaded[-1], dict(policy_weights(trainer.model))
+    assert set(served) == set(model) and all(torch.equal(served[n], model[n]) for n in model)
+
+
 def adapter_tensors(trainer) -> dict[str, torch.Tensor]:
     """The policy's LoRA tensors under PEFT's saved names (as adapter_model.safetensors holds them)."""
     return {
@@ -320,8 +354,10 @@ def test_lora_weight_sync_sends_the_adapter_alone(tmp_path, server, staleness, m
     trainer.generator.load_policy = load_policy
     trainer.train()
     names = [name for name, _ in server.adapter_loads]
+    run = trainer.generator.run
     # Synchronous: a version per step. Async: the last step's version samples no round, so it is not sent.
-    assert names == [adapter_name(v) for v in range(len(names))] and len(names) == (4 if staleness == 0 else 3)
+    expected = 4 if staleness == 0 else 3
+    assert names == [adapter_name(run, v) for v in range(len(names))] and len(names) == expected
     for (_, tensors), policy in zip(server.adapter_loads, sent, strict=True):
         assert set(tensors) == set(policy) and all(torch.equal(tensors[n], policy[n]) for n in policy)
     assert not torch.equal(
@@ -331,7 +367,7 @@ def test_lora_weight_sync_sends_the_adapter_alone(tmp_path, server, staleness, m
     assert not any(path == "/collective_rpc" for path, _ in server.requests)
     models = [body["model"] for body in server.completions()]
     rounds_from = [0, 1, 2, 3] if staleness == 0 else [0, 0, 1, 2]  # each round's version
-    assert sorted(set(models)) == [adapter_name(v) for v in sorted(set(rounds_from))]
+    assert sorted(set(models)) == [adapter_name(run, v) for v in sorted(set(rounds_from))]
     unloads = [body["lora_name"] for path, body in server.requests if path == "/v1/unload_lora_adapter"]
     assert unloads == names and server.adapters == {}  # each after the next is in, the last at the end
     assert os.listdir(tmp_path / "_vllm-weights") == []
@@ -384,6 +420,29 @@ def test_a_server_without_runtime_lora_loading_is_named(tmp_path, server):
     trainer = server_trainer(tmp_path, server.url, max_steps=1, vllm_weight_sync="lora")
     with pytest.raises(RuntimeError, match="--enable-lora.*VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
         trainer.train()
+
+
+def test_two_runs_on_one_server_keep_their_own_adapters(tmp_path, server):
+    """Two LoRA runs of one run_name (other seeds: other adapters) take turns on one server that
+    takes adapters: each run's requests name its own adapter (the run_name, then the run's random
+    part), which holds its own tensors, and one run ending unloads none of the other's."""
+    server.lora_config = LORA_SERVER
+    runs = [
+        server_trainer(tmp_path / name, server.url, vllm_weight_sync="lora", seed=seed, run_name="sweep 7/lr")
+        for name, seed in (("a", 0), ("b", 1))
+    ]
+    ids = torch.tensor([[5, 6, 7], [5, 6, 7]])
+    named = []  # (run, the model its request named)
+    for run in (0, 1, 0):
+        runs[run].generate_completions(ids, torch.ones_like(ids))
+        named.append((run, server.completions()[-1]["model"]))
+    assert named[0] == named[2] and named[0][1] != named[1][1]
+    assert all(re.fullmatch(r"grpo-hf-sweep-7-lr-[0-9a-f]{8}-v0", model) for _, model in named)
+    for run, model in named:
+        assert set(server.adapters[model]) == set(adapter_tensors(runs[run]))
+        assert all(torch.equal(server.adapters[model][n], v) for n, v in adapter_tensors(runs[run]).items())
+    runs[1].generator.close()
+    assert list(server.adapters) == [named[0][1]]
 
 
 def test_an_adapter_name_the_server_holds_already_is_replaced(tmp_path, server):
@@ -557,6 +616,27 @@ def test_sharded_weights_reach_the_server_whole(tmp_path, server, config):
     assert set(first) == set(initial)
     for name, value in initial.items():
         assert torch.equal(first[name], value.detach()), name
+    assert any(not torch.equal(first[name], second[name]) for name in first)
+
+
+@pytest.mark.parametrize("config", ["cpu_fsdp2.yaml", "cpu_zero3.yaml"], ids=["fsdp2", "zero3"])
+def test_sharded_lora_policies_send_their_whole_adapter(tmp_path, server, config):
+    """A LoRA policy on 2 processes under FSDP2 / ZeRO-3, against a server that takes adapters
+    (vllm_weight_sync='auto' chooses the adapter): each step's adapter reaches the server whole, the
+    first equal to the initial adapter (the same seed on one process), the second moved."""
+    server.lora_config = LORA_SERVER
+    launch_two_processes(
+        ROOT / "tests" / "server_worker.py", [server.url, str(tmp_path), "lora"], tmp_path, config=config
+    )
+    names = [name for name, _ in server.adapter_loads]  # the run's identity, drawn by process 0
+    assert names == [names[0].removesuffix("-v0") + suffix for suffix in ("-v0", "-v1")]
+    assert not any(path == "/collective_rpc" for path, _ in server.requests)  # no merged weights
+    (_, first), (_, second) = server.adapter_loads
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])  # the worker's
+    initial = adapter_tensors(server_trainer(tmp_path / "one", server.url, peft_config=lora))
+    assert set(first) == set(initial)
+    for name, value in initial.items():
+        assert torch.equal(first[name], value), name
     assert any(not torch.equal(first[name], second[name]) for name in first)
 
 

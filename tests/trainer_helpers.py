@@ -1,5 +1,5 @@
 """Shared pieces for trainer tests: the suite's device, a prompt dataset, rewards, and a trainer with
-fixed completions; a free port, and the bench scripts as modules."""
+fixed completions; a free port, the bench scripts as modules, and a best model chosen in advance."""
 
 import importlib.util
 import os
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from grpo_hf import GRPOConfig, GRPOTrainer
 from grpo_hf.data.rollout import Rollout, completion_mask_after_eos
@@ -109,3 +110,22 @@ class FixedCompletionsTrainer(GRPOTrainer):
         completion_ids = torch.tensor(rows, device=prompt_ids.device)  # (B, C)
         mask, truncated = completion_mask_after_eos(completion_ids, self.eos_token_ids)
         return Rollout(prompt_ids, prompt_mask, completion_ids, mask, truncated)
+
+
+class BestAtStep(TrainerCallback):
+    """Makes the evaluation at optimizer step `step` the best: it logs eval_chosen 1.0 there, 0.0 at
+    every other step (with metric_for_best_model="chosen", greater_is_better=True)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        metrics["eval_chosen"] = float(state.global_step == self.step)
+
+
+# With `BestAtStep(step)`, load_best_model_at_end loads checkpoint-`step`: an evaluation and a
+# checkpoint after every optimizer step.
+BEST_MODEL_SETTINGS = dict(
+    eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+    load_best_model_at_end=True, metric_for_best_model="chosen", greater_is_better=True,
+)  # fmt: skip

@@ -265,6 +265,7 @@ class VLLMArguments:
             ),  # push_to_hub skips '_'
             trust_remote_code=self.trust_remote_code,
             revision=(self.model_init_kwargs or {}).get("revision"),
+            run_name=self.run_name or os.path.basename(os.path.abspath(self.output_dir)),
         )
 
     @property

@@ -7,7 +7,11 @@ arithmetic needs under 1 ms, issue 30); a CUDA graph replays the kernels without
 the same shapes and the same memory at every replay. So here:
 - shapes come in buckets (`bucket`, powers of two): the prompt is left-padded to its bucket, the
   rows to theirs (copies of the last row, thrown away), the new-token columns to theirs, so rounds
-  whose shapes differ a little reuse one cache and one graph;
+  whose shapes differ a little reuse one cache and one graph; a call runs in a larger bucket a
+  model holds already where that costs at most `MAX_WASTE` times its own (`ModelBuffers.state`), so
+  the turns of multi-turn episodes (fewer rows, longer prompts, less budget at each turn) share
+  graphs instead of capturing one per turn, round after round, once more than `MAX_STATES`
+  buckets take turns (not timed on a GPU: the captures were counted on the CPU's stand-in);
 - the cache and every input and output of the step live in the buffers of a `DecodeState`,
   allocated once per model and bucket (the decoder keeps the cache in the weights' dtype on a GPU,
   float32 on a CPU);
@@ -49,6 +53,7 @@ logger = logging.getLogger(__name__)
 MIN_COLUMNS = 16  # the smallest bucket of prompt or new-token columns
 CHECK_EVERY = 16  # steps between the host's checks that every row is done
 MAX_STATES = 3  # buckets whose cache and graphs a model keeps; the least recently used goes
+MAX_WASTE = 4  # a call runs in a held bucket of at most this many times its own bucket's cells
 WARMUP_STEPS = 3  # eager steps on the capture stream before capturing (as PyTorch's CUDA graph notes)
 
 
@@ -174,16 +179,32 @@ class ModelBuffers:
         self.capture_failed = False
 
     def state(self, prompt_ids: torch.Tensor, new_tokens: int, vocab: int) -> DecodeState:
-        """The state of the bucket of (B, P) prompts and `new_tokens` columns, made on first use."""
+        """Where (B, P) prompts and `new_tokens` columns decode: the smallest held bucket that `fits`
+        their own (a step's cost on a GPU grows with its cells far less than a capture costs), else
+        their own, made on first use."""
         rows, prompt_width = prompt_ids.shape
         shape = (bucket(rows, least=1), bucket(prompt_width), bucket(new_tokens))
-        if shape in self.states:
+        fitting = [held for held in self.states if fits(shape, held)]
+        if fitting:
+            shape = min(fitting, key=cells)
             self.states.move_to_end(shape)
             return self.states[shape]
         while len(self.states) >= MAX_STATES:  # free the oldest before allocating
             self.states.popitem(last=False)
         self.states[shape] = DecodeState(*shape, vocab, prompt_ids.device)
         return self.states[shape]
+
+
+def cells(shape: tuple[int, int, int]) -> int:
+    """A bucket's (rows, prompt columns, new-token columns) cache cells: rows x columns."""
+    rows, prompt_width, new_tokens = shape
+    return rows * (prompt_width + new_tokens)
+
+
+def fits(shape: tuple[int, int, int], held: tuple[int, int, int]) -> bool:
+    """Whether a call of bucket `shape` may run in the bucket `held`: as large in every dimension,
+    and at most MAX_WASTE times the cells."""
+    return all(h >= n for h, n in zip(held, shape, strict=True)) and cells(held) <= MAX_WASTE * cells(shape)
 
 
 _BUFFERS: "weakref.WeakKeyDictionary[nn.Module, ModelBuffers]" = weakref.WeakKeyDictionary()
@@ -371,6 +392,7 @@ def decode(
     weight casts, which go with the autocast region).
     """
     state = buffers_of(decoder.model).state(prompt_ids, decoder.max_new_tokens, decoder.vocab)
+    decoder.max_new_tokens = state.new_tokens  # a larger bucket held already: its columns
     with torch.inference_mode(), torch.autocast(prompt_ids.device.type, enabled=False):
         processors = fixed_processors.for_fixed_shapes(
             processors, state.where(), decoder.vocab, prompt_ids.device

@@ -3,9 +3,11 @@
 The trainer holds one `Generator`, made by `backends.build_generator` (the only place a backend is
 chosen), and calls `generate(prompt_ids, prompt_mask, sampling, policy_version)`. `policy_version` is the
 trainer's optimizer step: before the first call of a new version the generator takes the policy's
-weights (`load_policy`: refresh the generation copy, push to vLLM), and at no other time, so a
-multi-turn episode's turns and dynamic sampling's extra rounds reuse what the round's first call
-loaded.
+weights (`load_policy`: refresh the generation copy, push to vLLM), so a multi-turn episode's turns
+and dynamic sampling's extra rounds reuse what the round's first call loaded. Weights that change
+outside an optimizer step (a checkpoint loaded when training starts; the best model loaded, or in
+async GRPO the steps after the last weight sync, when it ends) are taken by the first call after
+`weights_changed`, whatever its version: `around_training` says so around `train()`.
 
 Backends:
 - `local.LocalGenerator`: in the training process, on the policy or its `GenerationCopy`, through
@@ -76,6 +78,7 @@ class VLLMSettings:
     vllm_engine_kwargs: dict | None
     max_num_seqs: int
     model_copy_dir: str
+    run_name: str  # names the run's LoRA adapters on a server (`weights.run_identity`)
     trust_remote_code: bool
     revision: str | None
 
@@ -105,6 +108,7 @@ class Generator(ABC):
         self.accelerator = accelerator
         self.version: int | None = None  # policy version whose weights the backend holds
         self.calls = 0  # generate calls since then (vLLM derives its request seeds from it)
+        self._changed = False  # the policy's weights changed since they were taken (`weights_changed`)
         self._uneven = False  # inside `uneven_calls`
 
     @property
@@ -123,11 +127,40 @@ class Generator(ABC):
     def _generate_with_version(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, policy_version: int
     ) -> Rollout:
-        if policy_version != self.version:
-            self.load_policy(policy_version)
-            self.version, self.calls = policy_version, 0
+        self.sync(policy_version)
         self.calls += 1
         return self._generate(prompt_ids, prompt_mask, sampling)
+
+    def sync(self, version: int) -> bool:
+        """Take the policy's weights as policy version `version` unless the backend holds that version's
+        and they have not changed since (`weights_changed`); whether it took them (collective where the
+        generator is). The same version taken again goes on counting its calls, so vLLM's request seeds
+        do not repeat."""
+        if version == self.version and not self._changed:
+            return False
+        self.load_policy(version)
+        if version != self.version:
+            self.calls = 0
+        self.version, self._changed = version, False
+        return True
+
+    def weights_changed(self) -> None:
+        """The policy's weights changed outside an optimizer step: the next call takes them,
+        whatever its policy version."""
+        self._changed = True
+
+    @contextmanager
+    def around_training(self) -> Iterator[None]:
+        """Around `Trainer.train`, which changes the weights outside an optimizer step: it loads a
+        checkpoint before the first step, and the best model after the last (load_best_model_at_end);
+        async GRPO sends no weights after its last weight sync. So the first call inside and the
+        first call after take the policy's weights whatever the version; on the way out, `close`."""
+        self.weights_changed()
+        try:
+            yield
+        finally:
+            self.close()
+            self.weights_changed()
 
     def any_active(self, active: bool) -> bool:
         """Whether any process still has rows to generate (this one: `active`). Every process calls it."""
@@ -156,8 +189,9 @@ class Generator(ABC):
             self._generate_with_version(nothing, nothing, sampling, policy_version)
 
     def close(self) -> None:
-        """Remove what the backend keeps on disk between weight updates (a server's last weight file);
-        called when training ends. The next call takes the policy's weights as usual."""
+        """Remove what the backend keeps between weight updates (a server's last weight file or
+        adapter); called when training ends (`around_training`, after which the next call takes the
+        policy's weights)."""
         return None  # the local and colocate backends keep nothing
 
     @abstractmethod

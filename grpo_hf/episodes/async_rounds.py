@@ -349,13 +349,6 @@ def async_rounds(trainer) -> AsyncRounds | None:
 
         return trainer._sample_and_score(made.rows, generate, made.trainer_state)
 
-    def sync_weights(version: int) -> bool:
-        if generator.version == version:  # sent already (evaluation samples through the generator)
-            return False
-        generator.load_policy(version)
-        generator.version, generator.calls = version, 0
-        return True
-
     settings = AsyncSettings(
         max_staleness=args.max_staleness,
         weight_sync_steps=args.weight_sync_steps,
@@ -367,6 +360,6 @@ def async_rounds(trainer) -> AsyncRounds | None:
     queue = RoundQueue(trainer.accelerator, produce, args.heartbeat_stale_after_s)
     client = generator.client
     new_client = lambda: VLLMClient(client.base_url, client.timeout, on_answer=queue.tick)  # noqa: E731
-    rounds = AsyncRounds(settings, queue, sync_weights, new_client, trainer.record)
+    rounds = AsyncRounds(settings, queue, generator.sync, new_client, trainer.record)
     trainer.add_callback(rounds)
     return rounds

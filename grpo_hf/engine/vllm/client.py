@@ -179,8 +179,8 @@ class VLLMClient:
 
     def load_lora_adapter(self, name: str, folder: str) -> None:
         """Register the PEFT adapter in `folder` (a path the server sees) as the model `name`; an
-        adapter of that name the server holds already (a run resumed against the same server) is
-        replaced."""
+        adapter of that name the server holds already (a version sent again: its weights changed
+        outside an optimizer step) is replaced."""
         body = {"lora_name": name, "lora_path": folder}
         try:
             self._lora_request("/v1/load_lora_adapter", body)

@@ -8,7 +8,8 @@ none) and ask for different lengths (the round samples the longest; each process
 New weights, once per policy version: whole (gathered under FSDP2 / ZeRO-3), LoRA merged, sent by
 process 0 (`weights.FileWeights` or `weights.NcclWeights`), or a LoRA policy's adapter alone
 (`weights.AdapterWeights`, vllm_weight_sync='lora': requests then name version v's adapter as
-their model, `weights.adapter_name(v)`), then the prefix cache reset.
+their model, `weights.adapter_name(run, v)`, where `run` is drawn by process 0 for this trainer,
+so that runs sharing a server keep their own adapters), then the prefix cache reset.
 
 Whatever process 0 meets (no server, a timeout, a refusal) reaches every process as the same error
 (`_on_main`), so no process waits forever for a peer that has failed. The others wait for process 0
@@ -48,6 +49,7 @@ from grpo_hf.engine.vllm.weights import (
     NcclWeights,
     adapter_name,
     check_adapter,
+    run_identity,
     vllm_weights,
 )
 from grpo_hf.models.sharding import unsharded_for_generation
@@ -72,6 +74,8 @@ class ServerGenerator(Generator):
         self.client = VLLMClient(settings.vllm.vllm_base_url, settings.vllm.vllm_server_request_timeout)
         self.sender: FileWeights | NcclWeights | AdapterWeights | None = None  # process 0's
         self.adapters = self._on_main(self._connect) == "lora"  # requests name the version's adapter
+        # The run's adapter names (`model_name`), the same on every process: drawn by process 0.
+        self.run = self._on_main(lambda: run_identity(settings.vllm.run_name)) if self.adapters else None
 
     @property
     def collective(self) -> bool:
@@ -134,24 +138,22 @@ class ServerGenerator(Generator):
 
     def close(self) -> None:
         """Remove the last weight file (the server holds its weights), or unload the adapters sent
-        (process 0's); then the next call sends the adapter again."""
+        (process 0's)."""
         if self.sender is not None:
             self.sender.close()
-        if self.adapters:
-            self.version = None
 
     def load_policy(self, version: int) -> None:
         model = self.policy()
         with unsharded_for_generation(model, self.accelerator):
             if self.adapters:
-                self._on_main(lambda: self.sender.send(model, version))
+                self._on_main(lambda: self.sender.send(model, self.model_name(version)))
             else:
                 self._on_main(lambda: self.sender.send(vllm_weights(model)))
         self._on_main(self.client.reset_prefix_cache)
 
     def model_name(self, version: int | None) -> str | None:
         """The model requests from policy `version` name: its adapter, or None (the served model)."""
-        return adapter_name(version) if self.adapters else None
+        return adapter_name(self.run, version) if self.adapters else None
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling) -> Rollout:
         mine = (prompt_rows(prompt_ids, prompt_mask), sampling.max_new_tokens)

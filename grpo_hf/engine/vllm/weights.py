@@ -16,6 +16,8 @@ after vllm_server_request_timeout.
 """
 
 import os
+import re
+import secrets
 import shutil
 import socket
 from collections.abc import Callable, Iterator
@@ -85,9 +87,19 @@ class FileWeights:
             self._current = None
 
 
-def adapter_name(version: int) -> str:
-    """The model name under which the server holds policy version `version`'s adapter."""
-    return f"grpo-hf-policy-v{version}"
+def run_identity(run_name: str) -> str:
+    """What names this run's adapters apart from other runs' on a server they share (each run
+    unloads its own older adapters): `run_name` in the characters a model name keeps, at most 24 of
+    them, then 8 random hex digits from the OS (not the seeded generators: two runs of one seed
+    and one run_name differ, and a resumed run is a new one)."""
+    readable = re.sub(r"[^A-Za-z0-9._]+", "-", run_name).strip("-.")[:24].rstrip("-.") or "run"
+    return f"{readable}-{secrets.token_hex(4)}"
+
+
+def adapter_name(run: str, version: int) -> str:
+    """The model name under which the server holds policy version `version`'s adapter of the run
+    `run` (`run_identity`)."""
+    return f"grpo-hf-{run}-v{version}"
 
 
 def check_adapter(model: nn.Module, lora: dict | None) -> None:
@@ -124,10 +136,20 @@ def check_adapter(model: nn.Module, lora: dict | None) -> None:
         )
 
 
+def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A plain LoRA policy's adapter tensors, copied from its parameters under their state-dict names
+    (what PEFT's `save_pretrained` takes as `state_dict`). The parameters must be whole
+    (`sharding.unsharded_for_generation`); the model's own `state_dict()` would hand PEFT FSDP2's
+    shards (DTensors), whose storage safetensors cannot read."""
+    return {name: param.detach().clone() for name, param in model.named_parameters() if "lora_" in name}
+
+
 class AdapterWeights:
-    """A LoRA policy's adapter alone (`save_pretrained`: tens of MB where the merged model is the
-    whole model), written to `folder` and registered with the server as `adapter_name(version)`.
-    Once it is, the one before is unloaded and its folder removed: no request asks for it any more
+    """A LoRA policy's adapter alone (`save_pretrained` of `adapter_tensors`, whole under FSDP2 /
+    ZeRO-3: tens of MB where the merged model is the whole model), written to `folder` and registered
+    with the server under its version's name (`adapter_name`, with the run's identity: other runs
+    on the server keep theirs). Once it is, this run's one before is unloaded and its folder
+    removed: no request asks for it any more
     (synchronous rounds take the newest; async GRPO finishes the rounds of a version before sending
     the next, `episodes.async_rounds`). The newest keeps its folder while registered (the server
     reads an adapter from there again when it left its cache); `close` unloads and removes it."""
@@ -136,11 +158,11 @@ class AdapterWeights:
         self.client, self.folder = client, os.path.abspath(folder)
         self._loaded: list[str] = []  # names, oldest first
 
-    def send(self, model: nn.Module, version: int) -> None:
-        name = adapter_name(version)
+    def send(self, model: nn.Module, name: str) -> None:
+        """Write the policy's adapter and register it as the model `name`."""
         path = os.path.join(self.folder, name)
         shutil.rmtree(path + ".tmp", ignore_errors=True)
-        model.save_pretrained(path + ".tmp", save_embedding_layers=False)
+        model.save_pretrained(path + ".tmp", state_dict=adapter_tensors(model), save_embedding_layers=False)
         shutil.rmtree(path, ignore_errors=True)
         os.replace(path + ".tmp", path)
         self.client.load_lora_adapter(name, path)
