@@ -4,12 +4,13 @@ orchestrates. One generation round, and where each step lives:
 - rows: per micro-step the dataloader yields this process's share of a generation batch, each
   prompt G times (`data.batches.GroupSampler`; a stream: `data.streaming`), the same batch
   `steps_per_generation x num_iterations` times in a row;
-- completions (`_prepare_inputs`, on the first of those micro-steps): one sampling call
-  (`data.rollout.sample_completions` through the generator `engine.backends.build_generator`
-  chose), multi-turn tool episodes (`episodes.multi_turn`, `episodes.tools`; environments:
-  `episodes.environments`) or the user's `episodes.rollout_func`; async GRPO (max_staleness >= 1):
-  sampled and scored ahead on a thread, from rows read ahead (`episodes.async_rounds`);
-- rewards: `rewards.scoring`; DAPO's dynamic sampling refills the batch with teaching groups
+- completions and rewards (`_prepare_inputs`, on the first of those micro-steps;
+  `episodes.scored_round`): one sampling call (`data.rollout.sample_completions` through the
+  generator `engine.backends.build_generator` chose), multi-turn tool episodes (`episodes.multi_turn`,
+  `episodes.tools`; environments: `episodes.environments`) or the user's `episodes.rollout_func`,
+  scored by `rewards.scoring`; async GRPO (max_staleness >= 1): sampled and scored ahead on a
+  thread, from rows read ahead (`episodes.async_rounds`);
+- DAPO's dynamic sampling refills the batch with teaching groups
   (`episodes.dynamic_sampling`); group advantages over every process (`algorithm.advantages`);
 - the round's loss tensors and micro-batches (`data.batches`), old / reference log-probs once
   (`training.logprob_passes`: per micro-batch, or in passes cut by `token_budget`);
@@ -23,7 +24,6 @@ import functools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -38,7 +38,7 @@ from transformers.trainer_utils import rotate_checkpoints
 
 from grpo_hf.algorithm import masks
 from grpo_hf.algorithm.advantages import batch_advantages
-from grpo_hf.algorithm.loss import adaptive_beta, dapo_normalizers, grpo_loss
+from grpo_hf.algorithm.loss import dapo_normalizers, grpo_loss
 from grpo_hf.algorithm.masks import gather_ragged, policy_weights
 from grpo_hf.algorithm.sampler_correction import on_policy_support
 from grpo_hf.config.async_grpo_config import trl_async_arguments
@@ -52,24 +52,22 @@ from grpo_hf.engine.logprobs import TokenScores, completion_logps
 from grpo_hf.episodes.async_rounds import async_rounds, stopping
 from grpo_hf.episodes.dynamic_sampling import ExtraRounds, trainer_dynamic_sampling
 from grpo_hf.episodes.environments import (
-    EMPTY_PROMPT,
     EnvironmentFactory,
     check_reward_source,
     environment_pool,
     train_dataset_or_placeholder,
 )
-from grpo_hf.episodes.multi_turn import recorded_episodes, trainer_tool_episodes
-from grpo_hf.episodes.rollout_func import RolloutFunc, call_rollout_func
+from grpo_hf.episodes.multi_turn import recorded_episodes
+from grpo_hf.episodes.rollout_func import RolloutFunc
+from grpo_hf.episodes.scored_round import sample_and_score
 from grpo_hf.episodes.tools import Toolbox, check_tool_call_format
 from grpo_hf.models.policy import load_policy, model_init_kwargs, prepare_policy, reward_model_loading
 from grpo_hf.models.reference import ReferenceSync, load_reference
-from grpo_hf.rewards.reward_outputs import RewardLogs
 from grpo_hf.rewards.scoring import (
     RewardFunc,
     RewardModel,
     reward_name,
     reward_setup,
-    score_completions,
 )
 from grpo_hf.training import logprob_passes as passes
 from grpo_hf.training import metrics as training_metrics
@@ -84,6 +82,7 @@ from grpo_hf.training.checkpoints import (
 )
 from grpo_hf.training.completion_logs import CompletionLog, completion_rows
 from grpo_hf.training.entropy_control import EntropyCoefficient
+from grpo_hf.training.kl_control import KLControl
 from grpo_hf.training.metrics import IntervalMetrics, StepTimer, round_metrics
 from grpo_hf.training.model_card import ModelCardWriter, Tags
 from grpo_hf.training.moe import RouterAuxLoss
@@ -200,7 +199,9 @@ class GRPOTrainer(Trainer):
         """The loss's settings, what moves during training (beta, the entropy coefficient, the
         position in a generation round and in the extra prompt stream; checkpointed), the metrics,
         and the callbacks."""
-        self.beta = args.beta
+        self.kl_control = KLControl(
+            args, lambda t: self.accelerator.reduce(t.to(self.accelerator.device), "mean")
+        )
         self.loss_settings = args.loss_settings()
         self.entropy_control = EntropyCoefficient(
             args, lambda t: self.accelerator.reduce(t, "sum"), self.record
@@ -212,7 +213,6 @@ class GRPOTrainer(Trainer):
             self.train_dataset, batches.data_order_seed(args), self.toolbox is not None
         )
         self.extra_rounds = ExtraRounds(source, args.generation_batch_size, args.num_generations)
-        self._round_kl: list[float] = []
         self.metrics = IntervalMetrics()
         self._eval_prefix = "eval"  # the running evaluation's metric prefix (`evaluate`)
         self.add_callback(StepTimer(self.record))
@@ -275,7 +275,7 @@ class GRPOTrainer(Trainer):
             return self._generate_and_score(inputs)[0]
         args = self.args
         if self._micro_step % self.round_length == 0:
-            self._update_adaptive_beta()
+            self.kl_control.next_round()
             self._buffer = self._generate_and_score(inputs)
         batch = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
@@ -335,51 +335,7 @@ class GRPOTrainer(Trainer):
         thread passes its `generate` for `generate_completions`, and the reward functions' trainer_state).
         With environments, one call at a time (the thread's rounds and evaluation share one pool)."""
         with self._environments_lock if self.environment_pool is not None else nullcontext():
-            return self._sample_and_score_rows(rows, generate, state or self.state)
-
-    def _sample_and_score_rows(
-        self, rows: list[dict], generate: Callable | None, state: TrainerState
-    ) -> ScoredRound:
-        args, device = self.args, self.accelerator.device
-        prompts = [row.get("prompt", EMPTY_PROMPT) for row in rows]
-        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-        start = time.perf_counter()
-        environments = names = counts = None
-        if self.environment_pool is not None:
-            environments, names, prompts = self.environment_pool.start_episodes(rows)
-            columns["environments"] = self.environments = environments
-        if self.rollout_func is not None:
-            calls = None if generate else self.generator.uneven_calls(self.sampling, self.policy_version)
-            self._thread_generate.call = generate  # what generate_completions calls on this thread
-            try:
-                result, completions, extra = call_rollout_func(
-                    self.rollout_func, prompts, self, self.processing_class, self.eos_token_ids, device, calls
-                )
-            finally:
-                self._thread_generate.call = None
-            columns.update(extra)
-        elif self.toolbox is not None:
-            result, completions, counts = trainer_tool_episodes(self, prompts, environments, names, generate)
-        else:
-            result, completions = rollout.sample_completions(
-                prompts, self.processing_class, generate or self.generate_completions, device, args.max_prompt_length,
-                args.chat_template_kwargs, args.pad_to_multiple_of,
-            )  # fmt: skip
-        result = batches.padded_to_multiple(
-            result, args.pad_to_multiple_of, self.processing_class.pad_token_id
-        )
-        seconds = time.perf_counter() - start
-        completion_ids = [
-            ids[mask.bool()].tolist()
-            for ids, mask in zip(result.completion_ids, result.completion_mask, strict=True)
-        ]
-        logs = RewardLogs(len(completions))  # what the reward functions log (log_extra / log_metric)
-        scores, errors, retried = score_completions(
-            self.reward_funcs, prompts, completions, completion_ids, columns, args.reward_error_policy, device,
-            trainer_state=state, logs=logs,
-        )  # fmt: skip
-        extras = (logs.extra_rows, logs.metrics, counts)
-        return ScoredRound(result, prompts, completions, scores, errors, retried, seconds, *extras)
+            return sample_and_score(self, rows, generate, state or self.state)
 
     def _complete_micro_batch(self, batch: dict[str, torch.Tensor], normalizer: torch.Tensor) -> dict:
         """Trim padding and add old / reference log-probs (no grad, once per round), one pass per
@@ -449,7 +405,7 @@ class GRPOTrainer(Trainer):
         once, means, tokens = training_metrics.combined_pass_values(values)
         self.record(once)
         if "kl" in means and self.model.training:
-            self._round_kl.append(means["kl"])
+            self.kl_control.observe(means["kl"])
         self.record_token_means(means, tokens)
 
     def _pass_loss(self, model, inputs: dict) -> tuple[Tensor, tuple[dict, dict, float]]:
@@ -488,6 +444,11 @@ class GRPOTrainer(Trainer):
         return masks.get_high_entropy_mask(entropies, mask, threshold, gather)
 
     @property
+    def beta(self) -> float:
+        """TRL's: the KL coefficient now (target_kl: the controller's, `training.kl_control`)."""
+        return self.kl_control.beta
+
+    @property
     def entropy_coef(self) -> float:
         """TRL's: the entropy coefficient now (use_adaptive_entropy: the controller's, even if unapplied)."""
         return self.entropy_control.coef
@@ -497,19 +458,6 @@ class GRPOTrainer(Trainer):
         with torch.no_grad():
             loss = self.compute_loss(model, inputs).detach()
         return loss, None, None
-
-    # ---- Adaptive KL --------------------------------------------------------------------------
-
-    def _update_adaptive_beta(self) -> None:
-        if self.args.target_kl is None or not self._round_kl:
-            return
-        kl = self.accelerator.reduce(
-            torch.tensor(sum(self._round_kl) / len(self._round_kl), device=self.accelerator.device), "mean"
-        ).item()
-        self.beta = adaptive_beta(
-            self.beta, kl, self.args.target_kl, self.args.generation_batch_size, self.args.kl_horizon
-        )
-        self._round_kl = []
 
     # ---- Metrics ------------------------------------------------------------------------------
 

@@ -222,4 +222,4 @@ def test_loss_metrics_reach_the_host_in_one_read(tmp_path, monkeypatch):
     # |log ratio|: log 2, log 2, 0 -> mean 2 log 2 / 3
     assert sums["sampling/sampling_logp_difference/mean"] == [pytest.approx(2 * math.log(2)), 3.0]
     assert sums["kl"] == [pytest.approx(0.375), 3.0] and sums["entropy"] == [pytest.approx(6.0), 3.0]
-    assert trainer._round_kl == [0.125]
+    assert trainer.kl_control.round_kl == [0.125]

@@ -232,8 +232,7 @@ def grpo_state(trainer) -> dict:
     """What a checkpoint holds of a `GRPOTrainer` besides the Trainer's files (`write_state`): beta,
     the round's KL values, the extra prompt stream's position, the entropy coefficient's state."""
     return {
-        "beta": trainer.beta,
-        "round_kl": trainer._round_kl,
+        **trainer.kl_control.state_dict(),  # beta, round_kl
         "extra_prompts": trainer.extra_rounds.position,
         "entropy": trainer.entropy_control.state_dict(),
     }
@@ -241,6 +240,6 @@ def grpo_state(trainer) -> dict:
 
 def load_grpo_state(trainer, state: dict) -> None:
     """Restore what `grpo_state` saved into `trainer`."""
-    trainer.beta, trainer._round_kl = state["beta"], state["round_kl"]
+    trainer.kl_control.load_state_dict(state)
     trainer.extra_rounds.position = state.get("extra_prompts", 0)  # absent in checkpoints older than it
     trainer.entropy_control.load_state_dict(state.get("entropy", trainer.entropy_control.state_dict()))
