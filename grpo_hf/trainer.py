@@ -16,7 +16,7 @@ orchestrates. One generation round, and where each step lives:
   (`training.logprob_passes`: per micro-batch, or in passes cut by `token_budget`);
 - `compute_loss`: log-probs of the completion tokens, then the pure `algorithm.loss.grpo_loss` with
   the masks and sampler weights of `algorithm.masks`;
-- around it (`training/`): metrics, completion logs, the adaptive entropy coefficient, checkpoints
+- around it (`training/`): metrics, completion logs, the adaptive KL and entropy coefficients, checkpoints
   with the GRPO state and, saved inside a round, its remaining micro-batches; the model card.
 """
 
