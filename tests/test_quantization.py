@@ -68,7 +68,7 @@ def test_weight_only_decodes_as_the_float_model_on_rounded_weights():
 
 def test_int8_matmul_multiplies_by_the_rounded_weight(int8_path):
     """Both paths give x @ (q * scale).T: exactly up to float rounding where activations stay float
-    (fallback), within the 7-bit activation rounding's error on the kernel."""
+    (fallback), within the activations' rounding error on the kernel (7 or 8 bits)."""
     torch.manual_seed(0)
     weight, x = torch.randn(40, 24), torch.randn(5, 24)
     q, scale = quantize_per_channel(weight)
@@ -81,6 +81,33 @@ def test_int8_matmul_multiplies_by_the_rounded_weight(int8_path):
     torch.testing.assert_close(got, expected, rtol=0, atol=tolerance)
     torch.testing.assert_close(Int8WeightOnlyMatmul(weight)(x), expected, rtol=0, atol=1e-5)  # x as it is
     assert Int8Matmul(weight.bfloat16())(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("vnni", [True, False])
+def test_activations_take_all_8_bits_only_where_the_cpu_has_vnni(monkeypatch, vnni):
+    """Without VNNI (AVX2) fbgemm's 8-bit products can saturate its 16-bit sums: 7-bit activations there,
+    as quantize_dynamic does; with VNNI the sums are 32-bit and the activations take all 8 bits."""
+    monkeypatch.setattr(quantization, "full_range_activations", lambda: vnni)
+    assert Int8Matmul(torch.randn(8, 8)).reduce_range is (not vnni)
+
+
+@pytest.mark.skipif(
+    not (torch.cpu._is_vnni_supported() and quantization.int8_kernel_supported()),
+    reason="needs VNNI and fbgemm",
+)
+def test_all_8_bits_halve_the_activations_rounding_error():
+    """On the kernel, the same product with 8-bit activations is about twice as close to the float product
+    of the rounded weights as with 7 bits (the rounding step halves)."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(256, 128), torch.randn(16, 128)
+    q, scale = quantize_per_channel(weight)
+    expected = x @ (q.float() * scale[:, None]).T
+    matmul = Int8Matmul(weight)
+    errors = {}
+    for reduce_range in (True, False):
+        matmul.reduce_range = reduce_range
+        errors[reduce_range] = (matmul(x) - expected).abs().mean().item()
+    assert 1.5 < errors[True] / errors[False] < 2.5
 
 
 @pytest.mark.parametrize("build", [tiny_llama, llama_with_rope_scaling], ids=["llama", "llama3-rope-gqa"])

@@ -6,10 +6,11 @@ weight is rounded per output channel (row): scale = max |w_row| / 127, q = round
 [-127, 127], w ~ q * scale. Two kinds:
 
 - 'int8' (`Int8Matmul`): PyTorch's dynamic int8 linear (`torch.ops.quantized.linear_dynamic`,
-  fbgemm): the activations rounded to 7-bit integers at each call, one scale per call (over all
+  fbgemm): the activations rounded to 8-bit integers at each call, one scale per call (over all
   its rows), int32 sums, the weight scales applied on the way out. 7 bits (`reduce_range`, as
-  `quantize_dynamic` does on x86): without VNNI (AVX2) fbgemm's 8-bit products can saturate its
-  16-bit sums. The fastest int8 path PyTorch 2.13 and torchao 0.18 offer on a CPU
+  `quantize_dynamic` does on x86) only where the CPU lacks VNNI (AVX2): there fbgemm's 8-bit
+  products can saturate its 16-bit sums; VNNI sums in 32 bits, and the 8th bit halves the
+  activations' rounding (`full_range_activations`). The fastest int8 path PyTorch 2.13 and torchao 0.18 offer on a CPU
   (`bench/int8_kernels.py`; 2 threads, AVX-512-BF16 + VNNI EPYC, loaded machine, best of 30):
   the LM head's 16 x 576 -> 49,152 took 2.1 ms against 8.0 ms for the bf16 product on oneDNN's
   blocked weights that decoding runs today; `aten._weight_int8pack_mm` (int8 weights, bf16
@@ -68,6 +69,13 @@ def _prepacked(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
+def full_range_activations() -> bool:
+    """Whether fbgemm may round activations to all 8 bits here: with VNNI (its int8 products sum in
+    32 bits); without it (AVX2) 7 bits, as `quantize_dynamic` does, so its 16-bit sums cannot saturate."""
+    return torch.cpu._is_vnni_supported()
+
+
+@functools.cache
 def int8_kernel_supported() -> bool:
     """Whether PyTorch's dynamic int8 linear runs here (x86 fbgemm), checked on one small product
     against the float product of the same rounded weights."""
@@ -77,7 +85,7 @@ def int8_kernel_supported() -> bool:
     x = torch.linspace(1, -1, 16).view(2, 8)
     q, scale = quantize_per_channel(weight)
     try:
-        product = torch.ops.quantized.linear_dynamic(x, _prepacked(q, scale), True)
+        product = torch.ops.quantized.linear_dynamic(x, _prepacked(q, scale), not full_range_activations())
     except (RuntimeError, NotImplementedError):
         return False
     return torch.allclose(product, F.linear(x, q.float() * scale[:, None]), atol=0.05)
@@ -102,6 +110,7 @@ class Int8Matmul:
             )
         q, scale = quantize_per_channel(weight)
         self.fast = self.rounds_activations and int8_kernel_supported()
+        self.reduce_range = not full_range_activations()  # 7-bit activations without VNNI
         if self.fast:
             self.weight = _prepacked(q, scale)
         else:
@@ -109,7 +118,7 @@ class Int8Matmul:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast:
-            return torch.ops.quantized.linear_dynamic(x.float(), self.weight, True).to(x.dtype)
+            return torch.ops.quantized.linear_dynamic(x.float(), self.weight, self.reduce_range).to(x.dtype)
         return self.linear(x)
 
 
