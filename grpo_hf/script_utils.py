@@ -29,15 +29,14 @@ from grpo_hf.script_args import DatasetMixtureConfig, ModelConfig, ScriptArgumen
 
 logger = logging.getLogger(__name__)
 
-# The `datasets` builder for a data file's extension (after any compression suffix).
+# The `datasets` builder, and its options, for a data file's extension (after any compression suffix).
 DATA_FILE_BUILDERS = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".csv": "csv",
-    ".tsv": "csv",
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-    ".txt": "text",
+    ".json": ("json", {}),
+    ".jsonl": ("json", {}),
+    ".csv": ("csv", {}),
+    ".tsv": ("csv", {"sep": "\t"}),
+    ".parquet": ("parquet", {}),
+    ".arrow": ("arrow", {}),
 }
 _COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")
 
@@ -148,7 +147,7 @@ def get_dataset(mixture_config: DatasetMixtureConfig) -> datasets.DatasetDict:
 def load_script_dataset(script_args: ScriptArguments) -> datasets.DatasetDict | datasets.IterableDatasetDict:
     """The dataset `script_args.dataset_name` names, with `dataset_config` and `dataset_streaming`.
 
-    A local data file (JSON / JSONL, CSV / TSV, parquet, arrow, text; compressed too) is read by its
+    A local data file (JSON / JSONL, CSV / TSV, parquet, arrow; compressed too) is read by its
     builder, as the split 'train'; anything else (a Hub id, a local folder) goes to
     `datasets.load_dataset` as in TRL's script.
     """
@@ -168,9 +167,8 @@ def load_script_dataset(script_args: ScriptArguments) -> datasets.DatasetDict | 
             f"dataset_config={script_args.dataset_config!r} names a configuration, and the single file "
             f"{name} has none; drop dataset_config."
         )
-    return datasets.load_dataset(
-        DATA_FILE_BUILDERS[suffix], data_files={"train": str(path)}, streaming=streaming
-    )
+    builder, options = DATA_FILE_BUILDERS[suffix]
+    return datasets.load_dataset(builder, data_files={"train": str(path)}, streaming=streaming, **options)
 
 
 def init_zero_verbose() -> None:

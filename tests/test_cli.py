@@ -99,7 +99,7 @@ def test_a_task_and_a_reward_model_need_no_reward_funcs():
     check_settings(*settings("--dataset_name", "d", "--reward_model_name_or_path", "some/rm"))
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet", ".jsonl.gz"])
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".tsv", ".parquet", ".jsonl.gz"])
 def test_a_local_data_file_is_the_train_split(tmp_path, suffix):
     import datasets
 
@@ -107,8 +107,8 @@ def test_a_local_data_file_is_the_train_split(tmp_path, suffix):
         [{"prompt": "1+1?", "solution": "two"}, {"prompt": "2+2?", "solution": "four"}]
     )
     path = tmp_path / f"my{suffix}"
-    if suffix == ".csv":
-        rows.to_csv(path)
+    if suffix in (".csv", ".tsv"):
+        rows.to_csv(path, sep="," if suffix == ".csv" else "\t")
     elif suffix == ".parquet":
         rows.to_parquet(path)
     else:

@@ -3,6 +3,7 @@ an explicit --bf16 where bf16 is emulated. The CPU's answer is monkeypatched bot
 
 import logging
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,3 +145,29 @@ def test_a_step_at_the_machines_precision(tmp_path):
     assert math.isfinite(log["loss"]) and math.isfinite(log["grad_norm"])
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize(("launcher", "precision", "refused"), [
+    ("bf16", "fp32", True), ("fp16", "bf16", True), ("bf16", "bf16", False), ("no", "fp32", False),
+])  # fmt: skip
+def test_a_launcher_precision_other_than_the_runs_is_refused(
+    tmp_path, monkeypatch, launcher, precision, refused
+):
+    """`accelerate launch` exports its config's mixed_precision, which transformers trains in whenever
+    bf16 and fp16 are off: a float32 run under a bf16 launcher config would silently train in bf16."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launcher)
+    if refused:
+        with pytest.raises(ValueError, match=f"mixed_precision: {launcher}.*mixed_precision: 'no'"):
+            make_config(tmp_path, bf16=None, precision=precision)
+    else:
+        assert make_config(tmp_path, bf16=None, precision=precision).bf16 is (precision == "bf16")
+
+
+def test_no_shipped_launcher_config_sets_the_precision():
+    """The recipes' precision decides (bf16 where the device has it): no accelerate config overrides it."""
+    import yaml
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "recipes" / "accelerate").glob("*.yaml"))
+    assert len(configs) >= 9
+    for path in configs:
+        assert yaml.safe_load(path.read_text()).get("mixed_precision", "no") == "no", path.name

@@ -11,6 +11,7 @@ integration it names can start).
 """
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -206,10 +207,9 @@ class GRPOConfig(
             "help": "(grpo-hf) Sample from a copy of the policy whose matmuls take int8 weights (one scale per "
             "output channel), refreshed with the weights each round, LoRA merged first; on a CPU, with "
             "generation_backend 'auto', 'llama', 'transformers' or 'transformers_static'. 'int8': activations "
-            "rounded to int8 at each call too (PyTorch's fbgemm dynamic int8 linear): the fast one, and far from "
-            "the policy on SmolLM2-135M (bench/int8_kernels.py: per-token KL 0.28 against bf16's 0.001). "
-            "'int8_weight_only': activations as they are, the weights' rounding alone (KL 0.005), at the copy's "
-            "own speed (PyTorch has no faster CPU kernel for it). The sampler's log-probs are the quantized "
+            "rounded to int8 at each call too (PyTorch's fbgemm dynamic int8 linear): the fast one, and the "
+            "farthest from the policy (docs/benchmarks.md). 'int8_weight_only': activations as they are, the "
+            "weights' rounding alone, at the copy's own speed (PyTorch has no faster CPU kernel for it). The sampler's log-probs are the quantized "
             "copy's, so sampler/* shows the mismatch and sampler_is_cap / off_policy_mask_threshold correct for "
             "it. None (default): the copy multiplies in generation_dtype. With vLLM use vLLM's own quantization "
             "(vllm_engine_kwargs)."
@@ -292,6 +292,22 @@ class GRPOConfig(
             self.bf16 = native_bf16(self.use_cpu)[0] if auto else self.precision == "bf16"
         if self.bf16 and not torch.cuda.is_available():
             self.use_cpu = True
+        self._check_launcher_precision()
+
+    def _check_launcher_precision(self) -> None:
+        """transformers trains in the accelerate config's mixed_precision (`accelerate launch` exports it)
+        whenever bf16 and fp16 are both off: a float32 run under a bf16 launcher config would train in
+        bf16 without a word. Refused, naming both."""
+        launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        chosen = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+        if launcher in ("bf16", "fp16") and launcher != chosen:
+            raise ValueError(
+                f"The accelerate config this run was launched with says mixed_precision: {launcher}, and the run's "
+                f"own precision is {'float32' if chosen == 'no' else chosen} (precision={self.precision!r}, "
+                f"bf16={self.bf16}, fp16={self.fp16}): transformers would train in {launcher}. Set "
+                "mixed_precision: 'no' in the accelerate config (the run's precision then decides), or pass "
+                f"{'--precision bf16' if launcher == 'bf16' else '--fp16 true'}."
+            )
 
     def _check_precision(self) -> None:
         """precision is a known name, and bf16 / fp16, where given beside it, say the same thing."""
