@@ -98,6 +98,11 @@ def test_ours_int8_runs_at_our_precisions_and_is_scored_on_its_own(monkeypatch):
         5.0,
         True,
     )
+    # Issue 46's goal: 3x on a CPU without native bf16 (as here), 5x on one with it.
+    assert summary["goal_ratio"] == 3.0
+    monkeypatch.setattr(run, "native_bf16", lambda: True)
+    summary = run.summarize(results)
+    assert (summary["goal_ratio"], summary["meets_goal"], summary["meets_goal_int8"]) == (5.0, False, True)
     assert "ratio_trl_over_ours_int8" not in run.summarize({k: results[k] for k in ("ours_fp32", "trl_fp32")})
 
 

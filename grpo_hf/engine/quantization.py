@@ -10,15 +10,16 @@ weight is rounded per output channel (row): scale = max |w_row| / 127, q = round
   its rows), int32 sums, the weight scales applied on the way out. 7 bits (`reduce_range`, as
   `quantize_dynamic` does on x86) only where the CPU lacks VNNI (AVX2): there fbgemm's 8-bit
   products can saturate its 16-bit sums; VNNI sums in 32 bits, and the 8th bit halves the
-  activations' rounding (`full_range_activations`). The fastest int8 path PyTorch 2.13 and torchao 0.18 offer on a CPU
-  (`bench/int8_kernels.py`; 2 threads, AVX-512-BF16 + VNNI EPYC, loaded machine, best of 30):
-  the LM head's 16 x 576 -> 49,152 took 2.1 ms against 8.0 ms for the bf16 product on oneDNN's
-  blocked weights that decoding runs today; `aten._weight_int8pack_mm` (int8 weights, bf16
-  activations) 32 ms, `torch._int_mm` with per-row activations 12 ms, torchao's
-  `Int8DynamicActivationInt8WeightConfig` 105 ms. But rounding the activations moves the sampler
-  far from the policy on SmolLM2-135M, whose activations have outlier channels: per-token
-  KL(policy || sampler) over decoding steps 0.28, against 0.001 for the bf16 copy (the same script).
-- 'int8_weight_only' (`Int8WeightOnlyMatmul`): the weights' rounding alone (KL 0.005), multiplied
+  activations' rounding (`full_range_activations`). The fastest int8 path PyTorch 2.13 and
+  torchao 0.18 offer on a CPU (`bench/int8_kernels.py`, docs/benchmarks.md: 2 threads, AVX-512-BF16
+  + VNNI EPYC, idle): the LM head's 16 x 576 -> 49,152 took 2.0 ms against 3.5 ms for the bf16
+  product on oneDNN's blocked weights that decoding runs today; `aten._weight_int8pack_mm` (int8
+  weights, bf16 activations) 11 ms, `torch._int_mm` with per-row activations 3.9 ms; torchao's
+  `Int8DynamicActivationInt8WeightConfig` about 100 ms (a loaded machine). But rounding the
+  activations moves the sampler far from the policy on SmolLM2-135M, whose activations have outlier
+  channels: per-token KL(policy || sampler) 0.14 over decoding steps and 1.2 at the first token
+  (the prefill's rows share one scale), against 0.0012 and 0.0035 for the bf16 copy.
+- 'int8_weight_only' (`Int8WeightOnlyMatmul`): the weights' rounding alone (KL 0.0049), multiplied
   in the copy's dtype by the dequantized weights: an int8 weight-only sampler's precision at the
   copy's own speed, since PyTorch's weight-only kernel is slower than that.
 
