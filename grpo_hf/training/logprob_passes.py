@@ -85,12 +85,13 @@ def pass_logps(trainer, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     """`batch` with one pass's (B, C) `old_logps` (if the policy moves within the round) and
     `ref_logps` (if beta > 0), no grad, in the loss's precision (the trainer's bf16 autocast); the
     sampler's log-probs put on pi_old's support where the truncation is replayed (`on_policy_support`)."""
-    return on_policy_support(*_logps(trainer, batch))
+    computed, kept = _logps(trainer, batch)
+    return on_policy_support(batch | computed, kept)
 
 
 def _logps(trainer, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """(`batch` with its old / reference log-probs, the (B, C) log-mass pi_old's replayed truncation keeps)."""
-    out, kept = dict(batch), None
+    """(`old_logps` / `ref_logps` as `pass_logps` says, the (B, C) log-mass pi_old's replayed truncation keeps)."""
+    out, kept = {}, None
     with torch.no_grad(), trainer.compute_loss_context_manager():
         if trainer.needs_old_logps():
             out["old_logps"], _, kept = trainer.completion_logps(trainer.model_wrapped, batch)
@@ -112,11 +113,10 @@ def round_logps(trainer, batch: dict[str, torch.Tensor], token_budget: int) -> d
             {key: value[rows] for key, value in batch.items()}, trainer.args.pad_to_multiple_of
         )
         computed, kept = _logps(trainer, part)
-        found = {name: computed[name] for name in ("old_logps", "ref_logps") if name in computed}
-        found |= {"kept_log_mass": kept} if kept is not None else {}
-        for name, logps in found.items():  # (R, C') each
-            target = out.setdefault(name, logps.new_zeros(batch["completion_mask"].shape))  # (B, C)
-            target[rows, : logps.shape[1]] = logps
+        computed |= {"kept_log_mass": kept} if kept is not None else {}
+        for name, values in computed.items():  # (R, C') each
+            target = out.setdefault(name, values.new_zeros(batch["completion_mask"].shape))  # (B, C)
+            target[rows, : values.shape[1]] = values
     kept = out.pop("kept_log_mass", None)
     return on_policy_support(batch | out, kept)
 
