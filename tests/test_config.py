@@ -102,6 +102,25 @@ def test_defaults(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("kwargs", "on", "checkpoint_kwargs"),
+    [
+        ({}, True, None),  # TRL's default: on
+        ({"gradient_checkpointing": False}, False, None),  # TRL's name, as the shipped configs write it
+        ({"gradient_checkpointing_kwargs": {"use_reentrant": False}}, True, {"use_reentrant": False}),
+    ],
+)
+def test_trls_checkpointing_names_are_taken_without_transformers_deprecation_warning(
+    tmp_path, recwarn, kwargs, on, checkpoint_kwargs
+):
+    config = make(tmp_path, **kwargs)
+    assert config.gradient_checkpointing is on and config.gradient_checkpointing_kwargs == checkpoint_kwargs
+    if hasattr(config, "activation_checkpointing"):  # transformers >= 5.20 reads the new names
+        assert config.activation_checkpointing is on
+        assert config.activation_checkpointing_kwargs == checkpoint_kwargs
+    assert not [w for w in recwarn if "checkpointing" in str(w.message)]
+
+
+@pytest.mark.parametrize(
     ("value", "scale"),
     [(True, "group"), (False, "none"), ("True", "group"), ("false", "none"), ("batch", "batch")],
 )

@@ -332,10 +332,20 @@ class GRPOConfig(
 
     def _resolve_checkpointing(self) -> None:
         """Gradient checkpointing on unless set (TRL's default), under either of transformers' names
-        (transformers >= 5.20 calls it activation_checkpointing, the old name a deprecated alias)."""
-        if self.gradient_checkpointing is None and getattr(self, "activation_checkpointing", None) is None:
-            newer = hasattr(self, "activation_checkpointing")
-            setattr(self, "activation_checkpointing" if newer else "gradient_checkpointing", True)
+        (transformers >= 5.20 calls it activation_checkpointing and warns that the old name, TRL's and
+        ours, is deprecated: a value given under the old name is handed to the new one, no warning)."""
+        if not hasattr(self, "activation_checkpointing"):  # transformers < 5.20: the old name only
+            if self.gradient_checkpointing is None:
+                self.gradient_checkpointing = True
+            return
+        for old, new in (
+            ("gradient_checkpointing", "activation_checkpointing"),
+            ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+        ):
+            if getattr(self, new) is None:
+                setattr(self, new, getattr(self, old))
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = True
 
     def _check_own_settings(self) -> None:
         """The settings declared in this file: model loading, speed, logging and faults."""
