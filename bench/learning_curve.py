@@ -7,7 +7,9 @@ Runs `recipes/grpo.py` with its config (`make train`'s unless `--config`), a che
 `--every` steps, the flags after `--` on top (any `GRPOConfig` or script setting, as on the
 recipe's command line); then scores every checkpoint on the task's held-out split with the recipe's
 own evaluation (`grpo_hf_cli`: the script recipes/grpo.py runs, its settings parsed by its parser).
-Prints step and accuracy and writes `bench/results/<date>-learning_curve-<name>-<machine>.json`.
+Prints step and accuracy and writes `bench/results/<date>-learning_curve-<name>-<machine>.json`,
+with what the run logged of the sampler against the policy (the mean of `sampler/kl`, the least
+`sampler/ratio_min`) and its median `step_time`, from the last checkpoint's `trainer_state.json`.
 `--seeds S1 S2 ...` runs once per seed (`--seed S` after the other flags), each as `<name>-seed<S>`
 with its own results file, then writes `<date>-learning_curve-<name>-<machine>.json` with each
 seed's last accuracy and their mean: a comparison of two settings (say int8 rollouts or not) is two
@@ -22,6 +24,7 @@ model, data and rewards; one process), scored the same way: is a plateau the mod
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -129,6 +132,22 @@ def evaluate(settings: tuple, output_dir: Path) -> list[dict]:
     return curve
 
 
+def logged(output_dir: Path) -> dict:
+    """What the run logged that a comparison of samplers wants, from its last checkpoint's log
+    history: the mean of `sampler/kl`, the least `sampler/ratio_min`, the median `step_time`
+    (each None where the run logged none)."""
+    found = checkpoints(output_dir)
+    history = json.loads((found[-1][1] / "trainer_state.json").read_text())["log_history"] if found else []
+
+    def values(key):
+        return [entry[key] for entry in history if key in entry]
+
+    kl, ratio_min, step_time = values("sampler/kl"), values("sampler/ratio_min"), values("step_time")
+    return {"sampler_kl_mean": statistics.mean(kl) if kl else None,
+            "sampler_ratio_min": min(ratio_min) if ratio_min else None,
+            "step_time_median": statistics.median(step_time) if step_time else None}  # fmt: skip
+
+
 def seed_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
     """The runs `--seeds` asks for: each named `<name>-seed<S>`, `--seed S` after the user's flags
     (the last flag wins); without `--seeds`, the run as given."""
@@ -156,6 +175,8 @@ def main(argv=None) -> None:
     scored = [accuracy for accuracy in last.values() if accuracy is not None]
     summary = {"name": args.name, "flags": args.recipe_flags, "steps": args.steps, "last_accuracy": last,
                "mean_last_accuracy": sum(scored) / len(scored) if scored else None,
+               "sampler_kl_mean": {seed: report["logged"]["sampler_kl_mean"]
+                                   for seed, report in zip(args.seeds, reports, strict=True)},
                "runs": [results_path(f"learning_curve-{report['name']}").name for report in reports]}  # fmt: skip
     results_path(f"learning_curve-{args.name}").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary))
@@ -174,7 +195,7 @@ def run(args: argparse.Namespace) -> dict:
     before = json.loads(results.read_text())["accuracy_before"] if results.exists() else None
     report = {"name": args.name, "trainer": args.trainer, "config": str(args.config.relative_to(ROOT)),
               "flags": args.recipe_flags, "steps": args.steps, "core": args.core, "recipe_seconds": seconds,
-              "accuracy_before": before, "curve": curve}  # fmt: skip
+              "accuracy_before": before, "logged": logged(output_dir), "curve": curve}  # fmt: skip
     output = results_path(f"learning_curve-{args.name}")
     output.parent.mkdir(exist_ok=True)
     output.write_text(json.dumps(report, indent=1) + "\n")

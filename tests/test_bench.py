@@ -297,6 +297,27 @@ def test_learning_curve_runs_once_per_seed_with_the_same_other_flags(tmp_path):
     assert curve.seed_runs(curve.parse_args([])) == [curve.parse_args([])]
 
 
+def test_learning_curve_reports_what_the_last_checkpoint_logged_of_the_sampler(tmp_path):
+    curve = bench_module("learning_curve")
+    assert curve.logged(tmp_path) == {
+        "sampler_kl_mean": None,
+        "sampler_ratio_min": None,
+        "step_time_median": None,
+    }
+    history = [{"sampler/kl": 0.1, "sampler/ratio_min": 0.5, "step_time": 3.0},
+               {"sampler/kl": 0.3, "sampler/ratio_min": 0.02, "step_time": 9.0},
+               {"sampler/kl": 0.2, "sampler/ratio_min": 0.9, "step_time": 4.0},
+               {"train_runtime": 100.0}]  # fmt: skip
+    for step, entries in ((10, history[:1]), (30, history)):  # the newest checkpoint's history is read
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(
+            json.dumps({"log_history": entries})
+        )
+    assert curve.logged(tmp_path) == pytest.approx(
+        {"sampler_kl_mean": 0.2, "sampler_ratio_min": 0.02, "step_time_median": 4.0}
+    )
+
+
 @pytest.mark.cpu_kind
 def test_trl_recipe_hands_trl_what_the_run_changed(tmp_path):
     trl_recipe = bench_module("trl_recipe")
