@@ -24,7 +24,9 @@ Then what each `rollout_quantization` does to the sampler (`sampler_kl`): the de
 (float32, as the policy) and its generation copy (bf16 where this CPU multiplies bf16 natively, else
 float32; then int8 or int8_weight_only on top) decode the same 24 tokens after the same prompts
 (16 rows: 2 arithmetic prompts x 8, tokens drawn from the policy), and the mean per-token
-KL(policy || copy) of the next-token distributions is printed, prefill's first token apart.
+KL(policy || copy) of the next-token distributions is printed, prefill's first token apart; then
+the same with 'int8' on one kind of matmul only (`INT8_ONLY`: q/k/v, o, gate/up, down, the LM head,
+and o + gate/up + LM head), the others as the bf16 copy: where the int8 sampler's error comes from.
 """
 
 import argparse
@@ -46,6 +48,7 @@ from grpo_hf.engine.quantization import (
     ROLLOUT_QUANTIZATIONS,
     Int8Matmul,
     int8_kernel_supported,
+    quantize_linears,
     quantize_per_channel,
 )
 from grpo_hf.models.loading import DEFAULT_MODEL, load_model, load_tokenizer
@@ -126,6 +129,31 @@ def measure(shape: tuple[int, int, int], repeats: int) -> dict[str, dict[str, fl
     return {name: {"median_ms": statistics.median(t), "min_ms": min(t)} for name, t in times.items()}
 
 
+# Llama's matmuls by what they multiply (`_matmul_weights`' groups): each alone in int8, then the three
+# whose activations round with the least error on SmolLM2 together.
+INT8_ONLY = {
+    "q/k/v": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate/up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+    "LM head": ("lm_head",),
+    "o, gate/up, LM head": ("o_proj", "gate_proj", "up_proj", "lm_head"),
+}
+
+
+def sampler_copies(model: torch.nn.Module, dtype: torch.dtype):
+    """(name, model) of each sampler compared: the generation copy in `dtype` as each
+    `rollout_quantization` makes it, then with 'int8' on one kind of matmul only (`INT8_ONLY`)."""
+    for kind in (None, *ROLLOUT_QUANTIZATIONS):
+        yield (
+            f"{dtype} copy" + (f", {kind}" if kind else ""),
+            GenerationCopy(model, dtype, quantization=kind).model,
+        )
+    for name, layers in INT8_ONLY.items():
+        copy = GenerationCopy(model, dtype).model
+        yield f"{dtype} copy, int8 on {name} only", quantize_linears(copy, "int8", only=layers)
+
+
 @torch.no_grad()
 def sampler_kl(steps: int = 24) -> dict[str, dict[str, float]]:
     """Per-token KL(policy || sampler) of each generation copy's next-token distributions: at the first
@@ -138,12 +166,9 @@ def sampler_kl(steps: int = 24) -> dict[str, dict[str, float]]:
     ids, mask = (encoded[key].repeat_interleave(8, dim=0) for key in ("input_ids", "attention_mask"))
     dtype = torch.bfloat16 if native_bf16() else torch.float32
     results = {}
-    for kind in (None, *ROLLOUT_QUANTIZATIONS):
+    for name, copy in sampler_copies(model, dtype):
         torch.manual_seed(0)
-        policy, sampler = (
-            LlamaDecoder(model, steps),
-            LlamaDecoder(GenerationCopy(model, dtype, quantization=kind).model, steps),
-        )
+        policy, sampler = LlamaDecoder(model, steps), LlamaDecoder(copy, steps)
         expected, got = policy.prefill(ids, mask), sampler.prefill(ids, mask)
         kls = []
         for _ in range(steps):
@@ -151,7 +176,7 @@ def sampler_kl(steps: int = 24) -> dict[str, dict[str, float]]:
             kls.append((p.exp() * (p - q)).sum(dim=-1).mean().item())
             token = torch.multinomial(p.exp(), 1).squeeze(1)  # (16,)
             expected, got = policy(token), sampler(token)
-        results[f"{dtype} copy" + (f", {kind}" if kind else "")] = {
+        results[name] = {
             "first_token_kl": kls[0],
             "decoding_kl": statistics.mean(kls[1:]),
         }

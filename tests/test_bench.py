@@ -60,6 +60,25 @@ def test_int8_kernels_bench_times_every_path_that_runs_here():
     assert all(0 < f["min_ms"] <= f["median_ms"] for f in figures.values())
 
 
+def test_int8_kernels_bench_puts_each_kind_of_matmul_alone_in_int8():
+    kernels = bench_module("int8_kernels")
+    copies = dict(kernels.sampler_copies(tiny_llama(), torch.float32))
+
+    def int8_layers(model):
+        return {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if hasattr(module, "int8_matmul")
+        }
+
+    names = [f"torch.float32 copy{kind}" for kind in ("", ", int8", ", int8_weight_only")]
+    assert list(copies)[:3] == names and not int8_layers(copies[names[0]])
+    assert int8_layers(copies[names[1]]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj", "lm_head"}  # fmt: skip
+    for name, layers in kernels.INT8_ONLY.items():
+        assert int8_layers(copies[f"torch.float32 copy, int8 on {name} only"]) == set(layers)
+
+
 def test_token_budget_bench_splits_the_step_over_processes_and_micro_batches():
     bench = bench_module("token_budget")
     args = bench.parse_args(["--accumulation", "2"])

@@ -45,15 +45,20 @@ def test_per_channel_scales_by_hand():
     assert q.tolist() == [[127, -64, 0], [0, 0, 0], [-127, 50, 1]]
 
 
+@pytest.mark.parametrize(
+    "only",
+    [None, ("o_proj",), ("gate_proj", "up_proj", "lm_head"), ("q_proj", "k_proj", "v_proj", "down_proj")],
+)
 @torch.no_grad()
-def test_weight_only_decodes_as_the_float_model_on_rounded_weights():
+def test_weight_only_decodes_as_the_float_model_on_rounded_weights(only):
     """'int8_weight_only' is the float decoder on weights rounded per channel, nothing else: the same
-    logits as a float copy whose every matmul weight was replaced by q * scale, at every step."""
+    logits as a float copy whose every matmul weight (or those of the layers named in `only`, and
+    none other) was replaced by q * scale, at every step."""
     model = llama_with_rope_scaling().eval().requires_grad_(False)
-    quantized = quantize_linears(copy.deepcopy(model), "int8_weight_only")
+    quantized = quantize_linears(copy.deepcopy(model), "int8_weight_only", only=only)
     rounded = copy.deepcopy(model)
-    for module in rounded.modules():
-        if type(module) is torch.nn.Linear:
+    for name, module in rounded.named_modules():
+        if type(module) is torch.nn.Linear and (only is None or name.rsplit(".", 1)[-1] in only):
             q, scale = quantize_per_channel(module.weight)
             module.weight = torch.nn.Parameter(q.float() * scale[:, None], requires_grad=False)
     ids, mask = prompts()

@@ -108,12 +108,15 @@ def _matmul_weights(model: nn.Module, head: torch.Tensor) -> list[tuple[torch.Te
     return [*groups, (head,)]
 
 
-def _matmul_makers(model: nn.Module, groups: int) -> list[type]:
-    """How each of the `groups` matmuls of `_matmul_weights` multiplies: as its layer's `int8_matmul`
-    where `quantization.quantize_linears` quantized it (a float32 LM head stays float), else on
-    oneDNN's blocked weights (`BlockedLinear`)."""
-    layers = getattr(model.model.layers[0].self_attn.q_proj, "int8_matmul", BlockedLinear)
-    return [layers] * (groups - 1) + [getattr(model.lm_head, "int8_matmul", BlockedLinear)]
+def _matmul_makers(model: nn.Module) -> list[type]:
+    """How each matmul of `_matmul_weights` multiplies: as its (first) layer's `int8_matmul` where
+    `quantization.quantize_linears` quantized it (a float32 LM head stays float), else on oneDNN's
+    blocked weights (`BlockedLinear`). A fused group (q/k/v, gate/up) multiplies as its first layer."""
+    firsts = []
+    for layer in model.model.layers[: model.config.num_hidden_layers]:
+        attention, mlp = layer.self_attn, layer.mlp
+        firsts += [attention.q_proj, attention.o_proj, mlp.gate_proj, mlp.down_proj]
+    return [getattr(module, "int8_matmul", BlockedLinear) for module in (*firsts, model.lm_head)]
 
 
 class LlamaDecoder:
@@ -142,7 +145,7 @@ class LlamaDecoder:
         """The step's matmuls in `_matmul_weights`' order, as callables x -> x @ W.T, for `rows` rows."""
         groups = _matmul_weights(self.model, self.head_weight)
         blocked = _BLOCKED_WEIGHTS.setdefault(self.model, BlockedWeights())
-        return blocked.reorder(groups, rows, _matmul_makers(self.model, len(groups)))
+        return blocked.reorder(groups, rows, _matmul_makers(self.model))
 
     def _new_cache(self, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each layer's keys and values, (B, KV, P + N, D) float32."""

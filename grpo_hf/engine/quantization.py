@@ -35,6 +35,7 @@ before), and take their int8 form again whenever a weight changed (`cpu.weights_
 
 import functools
 import warnings
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -168,14 +169,20 @@ MATMULS = {"int8": Int8Matmul, "int8_weight_only": Int8WeightOnlyMatmul}  # by r
 ROLLOUT_QUANTIZATIONS = tuple(MATMULS)
 
 
-def quantize_linears(model: nn.Module, quantization: str = "int8") -> nn.Module:
+def quantize_linears(
+    model: nn.Module, quantization: str = "int8", only: Collection[str] | None = None
+) -> nn.Module:
     """Turn `model`'s `nn.Linear` and `Conv1D` layers into `QuantizedLinear` / `QuantizedConv1D`
     multiplying as `quantization` says (a key of `MATMULS`), in place (same parameters, ties kept).
-    A float32 LM head (`cast_lm_head_to_fp32`) stays as it is: it was asked for in float32."""
+    A float32 LM head (`cast_lm_head_to_fp32`) stays as it is: it was asked for in float32.
+    `only` (names such as 'o_proj', 'lm_head'): just the layers so named, as `bench/int8_kernels.py`
+    measures each kind of layer's share of the sampler's error (Llama's decoder multiplies a fused
+    q/k/v or gate/up group as its first layer does)."""
     kinds = {nn.Linear: QuantizedLinear, Conv1D: QuantizedConv1D}
-    for module in model.modules():
+    for name, module in model.named_modules():
         kind = kinds.get(type(module))
-        if kind is not None and not isinstance(module, Float32Head):
+        chosen = only is None or name.rsplit(".", 1)[-1] in only
+        if kind is not None and chosen and not isinstance(module, Float32Head):
             module.__class__ = kind
             module.int8_matmul = MATMULS[quantization]
     return model
