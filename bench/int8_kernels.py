@@ -199,7 +199,7 @@ def main() -> None:
     results["sampler_kl"] = sampler_kl()
     print("KL(policy || sampler) per token, the default model (float32 policy):")
     for name, kl in results["sampler_kl"].items():
-        print(f"  {name:32s} first token {kl['first_token_kl']:.4f}   decoding {kl['decoding_kl']:.4f}")
+        print(f"  {name:56s} first token {kl['first_token_kl']:.4f}   decoding {kl['decoding_kl']:.4f}")
     results["threads"] = args.threads
     results["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     results["vnni"] = torch.cpu._is_vnni_supported()

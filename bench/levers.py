@@ -34,6 +34,9 @@ elsewhere, as the trainer's precision='auto' would; "bf16" below reads "float32"
 - decoding step, int8 copy: `decoding.LlamaDecoder` on the generation copy with
   `rollout_quantization='int8'` (int8 weights, `engine.quantization`) against the same copy in
   bf16, 16 rows after a 29-token prompt, ms per step;
+- decoding step, int8 o/gate/up/head: the same with int8 on the o, gate/up and LM head matmuls only
+  (`TAME_INT8`: those whose activations round with the least error on SmolLM2, `bench/int8_kernels.py`),
+  q/k/v and down as in the bf16 copy;
 - reference passes, token budget: a round's no-grad log-prob pass (the reference's; the old
   log-probs' is the same) of the 16 rows of `completion_lengths`, LoRA policy, under a
   `token_budget` of the whole round (one pass: each prompt prefilled once for its 8 rows) against
@@ -71,6 +74,7 @@ from grpo_hf.engine.logprobs import (
     packed_completion_logps,
 )
 from grpo_hf.engine.model_forward import TransformersDecoder
+from grpo_hf.engine.quantization import quantize_linears
 from grpo_hf.engine.token_scores import token_logps_and_entropy
 from grpo_hf.models.loading import DEFAULT_MODEL, load_model
 
@@ -80,6 +84,7 @@ from results_file import results_path  # noqa: E402
 ROWS, GROUP, PROMPT, COMPLETION = 16, 8, 29, 48
 # The precision the trainer's precision='auto' takes here: bf16 only on a CPU that multiplies it natively.
 DTYPE = torch.bfloat16 if native_bf16() else torch.float32
+TAME_INT8 = ("o_proj", "gate_proj", "up_proj", "lm_head")  # see the int8 o/gate/up/head lever
 OUTPUT = results_path("levers")
 
 
@@ -271,8 +276,11 @@ def fused_head_lever(policy: torch.nn.Module, ids: torch.Tensor, mask: torch.Ten
 
 
 @torch.no_grad()
-def int8_decoding_lever(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    copies = {kind: GenerationCopy(model, DTYPE, quantization=kind).refresh() for kind in ("int8", None)}
+def int8_decoding_lever(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, only: tuple[str, ...] | None = None
+) -> tuple[float, float]:
+    int8 = quantize_linears(GenerationCopy(model, DTYPE).refresh(), "int8", only=only)
+    copies = {"int8": int8, None: GenerationCopy(model, DTYPE).refresh()}
     token = torch.randint(0, model.config.vocab_size, (ROWS,))
 
     def per_step(kind: str | None) -> float:
@@ -314,6 +322,11 @@ def levers(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> lis
         ("decoding, finished rows out", "s", lambda: finished_rows_lever(model, ids, mask)),
         ("decoding matmuls (16 rows)", "ms", lambda: matmul_lever(model)),
         ("decoding step, int8 copy", "ms", lambda: int8_decoding_lever(model, ids, mask)),
+        (
+            "decoding step, int8 o/gate/up/head",
+            "ms",
+            lambda: int8_decoding_lever(model, ids, mask, TAME_INT8),
+        ),
         ("loss pass, shared prompts", "s", lambda: shared_prompts_lever(lora(), ids, mask)),
         ("loss pass, padding-free", "s", lambda: padding_free_lever(lora(), ids, mask)),
         ("packed pass attention", "s", lambda: attention_lever(lora(), ids, mask)),

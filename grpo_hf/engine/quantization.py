@@ -12,13 +12,15 @@ weight is rounded per output channel (row): scale = max |w_row| / 127, q = round
   products can saturate its 16-bit sums; VNNI sums in 32 bits, and the 8th bit halves the
   activations' rounding (`full_range_activations`). The fastest int8 path PyTorch 2.13 and
   torchao 0.18 offer on a CPU (`bench/int8_kernels.py`, docs/benchmarks.md: 2 threads, AVX-512-BF16
-  + VNNI EPYC, idle): the LM head's 16 x 576 -> 49,152 took 2.0 ms against 3.5 ms for the bf16
+  + VNNI EPYC, idle): the LM head's 16 x 576 -> 49,152 took 2.0 ms against 3.3 ms for the bf16
   product on oneDNN's blocked weights that decoding runs today; `aten._weight_int8pack_mm` (int8
-  weights, bf16 activations) 11 ms, `torch._int_mm` with per-row activations 3.9 ms; torchao's
+  weights, bf16 activations) 11 ms, `torch._int_mm` with per-row activations 3.8 ms; torchao's
   `Int8DynamicActivationInt8WeightConfig` about 100 ms (a loaded machine). But rounding the
   activations moves the sampler far from the policy on SmolLM2-135M, whose activations have outlier
-  channels: per-token KL(policy || sampler) 0.14 over decoding steps and 1.2 at the first token
-  (the prefill's rows share one scale), against 0.0012 and 0.0035 for the bf16 copy.
+  channels (the MLP's down projection's input above all): per-token KL(policy || sampler) 0.14 over
+  decoding steps and 1.2 at the first token (the prefill's rows share one scale), against 0.0012 and
+  0.0035 for the bf16 copy; trained with it (and `sampler_is_cap` 2), `make train`'s recipe scored
+  8 points lower on held-out problems than with the bf16 copy, over three seeds. Off by default.
 - 'int8_weight_only' (`Int8WeightOnlyMatmul`): the weights' rounding alone (KL 0.0049), multiplied
   in the copy's dtype by the dequantized weights: an int8 weight-only sampler's precision at the
   copy's own speed, since PyTorch's weight-only kernel is slower than that.
