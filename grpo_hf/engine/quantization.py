@@ -19,8 +19,9 @@ weight is rounded per output channel (row): scale = max |w_row| / 127, q = round
   activations moves the sampler far from the policy on SmolLM2-135M, whose activations have outlier
   channels (the MLP's down projection's input above all): per-token KL(policy || sampler) 0.14 over
   decoding steps and 1.2 at the first token (the prefill's rows share one scale), against 0.0012 and
-  0.0035 for the bf16 copy; trained with it (and `sampler_is_cap` 2), `make train`'s recipe scored
-  8 points lower on held-out problems than with the bf16 copy, over three seeds. Off by default.
+  0.0035 for the bf16 copy; trained with it, `make train`'s recipe scored 6 to 19 points lower on
+  held-out problems than with the bf16 copy over three seeds, whichever correction (none,
+  `sampler_is_cap` 2, and that with `off_policy_mask_threshold` 0.5). Off by default.
 - 'int8_weight_only' (`Int8WeightOnlyMatmul`): the weights' rounding alone (KL 0.0049), multiplied
   in the copy's dtype by the dequantized weights: an int8 weight-only sampler's precision at the
   copy's own speed, since PyTorch's weight-only kernel is slower than that.
