@@ -79,12 +79,12 @@ from grpo_hf.engine.token_scores import token_logps_and_entropy
 from grpo_hf.models.loading import DEFAULT_MODEL, load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
+from int8_kernels import TAME_INT8  # noqa: E402
 from results_file import results_path  # noqa: E402
 
 ROWS, GROUP, PROMPT, COMPLETION = 16, 8, 29, 48
 # The precision the trainer's precision='auto' takes here: bf16 only on a CPU that multiplies it natively.
 DTYPE = torch.bfloat16 if native_bf16() else torch.float32
-TAME_INT8 = ("o_proj", "gate_proj", "up_proj", "lm_head")  # see the int8 o/gate/up/head lever
 OUTPUT = results_path("levers")
 
 

@@ -94,28 +94,31 @@ def _feed_forward(
 _BLOCKED_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, BlockedWeights]" = weakref.WeakKeyDictionary()
 
 
-def _matmul_weights(model: nn.Module, head: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-    """The weights of a decoding step's matmuls: per layer q/k/v, o, gate/up, down; then the LM head's."""
+def _layer_matmuls(model: nn.Module) -> list[tuple[nn.Module, ...]]:
+    """The layers of a decoding step's matmuls, per decoder layer: q/k/v, o, gate/up, down (a fused
+    group's layers together)."""
     groups = []
     for layer in model.model.layers[: model.config.num_hidden_layers]:
         attention, mlp = layer.self_attn, layer.mlp
         groups += [
-            (attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight),
-            (attention.o_proj.weight,),
-            (mlp.gate_proj.weight, mlp.up_proj.weight),
-            (mlp.down_proj.weight,),
+            (attention.q_proj, attention.k_proj, attention.v_proj),
+            (attention.o_proj,),
+            (mlp.gate_proj, mlp.up_proj),
+            (mlp.down_proj,),
         ]
-    return [*groups, (head,)]
+    return groups
+
+
+def _matmul_weights(model: nn.Module, head: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """The weights of a decoding step's matmuls: each group of `_layer_matmuls`; then the LM head's."""
+    return [*(tuple(layer.weight for layer in group) for group in _layer_matmuls(model)), (head,)]
 
 
 def _matmul_makers(model: nn.Module) -> list[type]:
     """How each matmul of `_matmul_weights` multiplies: as its (first) layer's `int8_matmul` where
     `quantization.quantize_linears` quantized it (a float32 LM head stays float), else on oneDNN's
     blocked weights (`BlockedLinear`). A fused group (q/k/v, gate/up) multiplies as its first layer."""
-    firsts = []
-    for layer in model.model.layers[: model.config.num_hidden_layers]:
-        attention, mlp = layer.self_attn, layer.mlp
-        firsts += [attention.q_proj, attention.o_proj, mlp.gate_proj, mlp.down_proj]
+    firsts = [group[0] for group in _layer_matmuls(model)]
     return [getattr(module, "int8_matmul", BlockedLinear) for module in (*firsts, model.lm_head)]
 
 
