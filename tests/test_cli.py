@@ -238,10 +238,19 @@ def test_my_jsonl_trains_a_lora_adapter_in_one_command(model_dir, tmp_path):
 @pytest.mark.slow
 def test_two_processes_from_the_config_files_launch_keys(model_dir, tmp_path):
     """Keys of the --config file that no setting has are accelerate launch's, as in TRL: here two
-    processes (gloo on the CPU), each scoring with a reward found by its dotted path."""
+    processes (gloo on the CPU), each scoring with a reward found by its dotted path. At exit no
+    thread of the process group is left: one that outlives it can abort a finished run (SIGABRT)."""
     write_jsonl(tmp_path / "data.jsonl")
     (tmp_path / "rank_rewards.py").write_text(
-        "import os\n\ndef rank_reward(completions, **kwargs):\n"
+        "import atexit, glob, os\n\n"
+        "def name(path):\n"
+        "    try:\n        return open(path).read().strip()\n"
+        "    except OSError:  # a thread that ended since the glob\n        return ''\n\n"
+        "def threads_at_exit():\n"
+        "    names = [name(path) for path in glob.glob('/proc/self/task/*/comm')]\n"
+        "    with open(f\"threads{os.environ['RANK']}.txt\", 'w') as f:\n        f.write(' '.join(names))\n\n"
+        "atexit.register(threads_at_exit)\n\n"
+        "def rank_reward(completions, **kwargs):\n"
         "    with open(f\"rank{os.environ['RANK']}.txt\", 'a') as f:\n        f.write('scored\\n')\n"
         "    return [0.0] * len(completions)\n"
     )
@@ -263,6 +272,9 @@ def test_two_processes_from_the_config_files_launch_keys(model_dir, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "rank0.txt").is_file() and (tmp_path / "rank1.txt").is_file()
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    for rank in (0, 1):
+        threads = (tmp_path / f"threads{rank}.txt").read_text().split()
+        assert "python" in threads and not [name for name in threads if "gloo" in name], threads
 
 
 @pytest.mark.slow
