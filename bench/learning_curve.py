@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "grpo.py"
 TRL_RECIPE = Path(__file__).resolve().parent / "trl_recipe.py"
 CONFIG = ROOT / "recipes" / "configs" / "smollm2_lora_arithmetic.yaml"
+SECONDS_FILE = "learning_curve_seconds.txt"  # in the run's folder: its training's wall-clock seconds
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,6 +101,18 @@ def train(args: argparse.Namespace, output_dir: Path) -> float:
     start = time.perf_counter()
     subprocess.run(command, cwd=ROOT, env=env, check=True)
     return time.perf_counter() - start
+
+
+def recipe_seconds(args: argparse.Namespace, output_dir: Path) -> float | None:
+    """Train (unless --score-only) and return the recipe's wall-clock seconds, kept in the run's
+    folder (`SECONDS_FILE`) so that a --score-only run reports the training it scores (None where
+    that training wrote none)."""
+    saved = output_dir / SECONDS_FILE
+    if args.score_only:
+        return float(saved.read_text()) if saved.exists() else None
+    seconds = round(train(args, output_dir), 1)
+    saved.write_text(f"{seconds}\n")
+    return seconds
 
 
 def checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
@@ -186,7 +199,7 @@ def run(args: argparse.Namespace) -> dict:
     """One run: train (unless --score-only), score its checkpoints, write and return its report."""
     output_dir = args.output_root / args.name
     settings = script.parse(recipe_args(args, output_dir))  # before training: a bad flag fails at once
-    seconds = None if args.score_only else round(train(args, output_dir), 1)
+    seconds = recipe_seconds(args, output_dir)
     if args.core is not None:
         os.sched_setaffinity(0, {args.core})
         torch.set_num_threads(1)

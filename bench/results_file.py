@@ -3,10 +3,13 @@
 The reports are committed beside the figures they back (docs/benchmarks.md), so a name says when, what
 and on which machine: `2026-11-28-bench-amd-epyc-avx2.json`, `2026-11-28-gpu_decode-nvidia-h200.json`.
 The machine is the first CUDA GPU's name where torch sees one, else the CPU's model and the widest
-vector kind it has (read from the hardware, whatever `GRPO_HF_CPU_BF16` makes the suite believe).
+vector kind it has (read from the hardware, whatever `GRPO_HF_CPU_BF16` makes the suite believe),
+and, where `ATEN_CPU_CAPABILITY` holds PyTorch's kernels to a narrower kind, that kind:
+`amd-epyc-avx512bf16-as-avx2` is an AVX-512-BF16 EPYC running AVX2 kernels, not an AVX2 CPU.
 """
 
 import datetime
+import os
 import platform
 import re
 from pathlib import Path
@@ -29,16 +32,21 @@ def this_machine() -> str:
         text = Path("/proc/cpuinfo").read_text()
         cpu_model = next(iter(re.findall(r"^model name\s*:\s*(.*)$", text, re.MULTILINE)), "")
         flags = next(iter(re.findall(r"^flags\s*:\s*(.*)$", text, re.MULTILINE)), "")
-    return machine_name(cpu_model or platform.processor(), flags.split(), gpu)
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower() or None
+    return machine_name(cpu_model or platform.processor(), flags.split(), gpu, capability)
 
 
-def machine_name(cpu_model: str, cpu_flags: list[str], gpu_name: str | None) -> str:
-    """`nvidia-h200` for a GPU; for a CPU its model and vector kind, e.g. `amd-epyc-avx512bf16`."""
+def machine_name(
+    cpu_model: str, cpu_flags: list[str], gpu_name: str | None, capability: str | None = None
+) -> str:
+    """`nvidia-h200` for a GPU; for a CPU its model and vector kind, e.g. `amd-epyc-avx512bf16`, with
+    `-as-avx2` where `capability` (`ATEN_CPU_CAPABILITY`) names a kind other than the CPU's."""
     if gpu_name:
         return _slug(gpu_name)
     flags = set(cpu_flags)
     kind = next((kind for kind, flag in _CPU_KINDS if flag in flags), platform.machine().lower() or "cpu")
-    return f"{_slug(cpu_model) or 'cpu'}-{kind}"
+    held = f"-as-{_slug(capability)}" if capability and capability != kind else ""
+    return f"{_slug(cpu_model) or 'cpu'}-{kind}{held}"
 
 
 # The widest kind first: native bf16 (AVX-512-BF16 or AMX), AVX-512, AVX2.

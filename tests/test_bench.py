@@ -29,6 +29,9 @@ def test_reports_are_named_by_date_benchmark_and_machine(monkeypatch):
         name("Intel(R) Core(TM) i7-8700 CPU @ 3.20GHz", ["avx2", "avx512f"], None)
         == "intel-core-i7-8700-avx512"
     )
+    assert name("AMD EPYC", ["avx2", "avx512_bf16"], None, "avx2") == "amd-epyc-avx512bf16-as-avx2"
+    assert name("AMD EPYC", ["avx2"], None, "avx2") == "amd-epyc-avx2"  # no narrower than the CPU
+    assert name("NVIDIA H100", [], "NVIDIA H100", "avx2") == "nvidia-h100"
     here = results_file.this_machine()
     assert bench_module("run").parse_args([]).output.endswith(f"-bench-{here}.json")  # make bench's default
     monkeypatch.setattr(results_file, "this_machine", lambda: "amd-epyc-avx2")
@@ -314,6 +317,15 @@ def test_learning_curve_runs_once_per_seed_with_the_same_other_flags(tmp_path):
         _, config, _, _ = curve.script.parse(curve.recipe_args(run, tmp_path / run.name))
         assert (config.seed, config.rollout_quantization) == (seed, "int8")  # --seeds wins over --seed
     assert curve.seed_runs(curve.parse_args([])) == [curve.parse_args([])]
+
+
+def test_learning_curve_score_only_reports_the_training_it_scores(tmp_path, monkeypatch):
+    curve = bench_module("learning_curve")
+    monkeypatch.setattr(curve, "train", lambda args, output_dir: 123.456)
+    assert curve.recipe_seconds(curve.parse_args(["--score-only"]), tmp_path) is None  # never trained here
+    assert curve.recipe_seconds(curve.parse_args([]), tmp_path) == 123.5
+    monkeypatch.setattr(curve, "train", lambda args, output_dir: pytest.fail("--score-only trained"))
+    assert curve.recipe_seconds(curve.parse_args(["--score-only"]), tmp_path) == 123.5
 
 
 def test_learning_curve_reports_what_the_last_checkpoint_logged_of_the_sampler(tmp_path):
