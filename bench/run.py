@@ -48,6 +48,14 @@ WORKER = ROOT / "bench" / "worker.py"
 GOAL_RATIOS = {True: 5.0, False: 3.0}  # by native_bf16(): an AVX-512-BF16 / AMX CPU, an AVX2-only one
 BUSY_SHARE = 0.1  # CPU share of other processes during a run above which its timings are suspect
 PRECISIONS = ("fp32", "bf16")
+# Environment variables that change which kernels run: a run under them is not the CPU's own run (an
+# AVX-512 CPU held to AVX2 kernels, say), so the report records them and its rerun commands set them.
+KERNEL_VARIABLES = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "GRPO_HF_CPU_BF16",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -211,10 +219,21 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def kernel_settings() -> dict[str, str]:
+    """The `KERNEL_VARIABLES` this run has set."""
+    return {name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ}
+
+
+def with_kernel_settings(words: list[str]) -> str:
+    """A command line that runs `words` under this run's `kernel_settings`."""
+    settings = [f"{name}={value}" for name, value in kernel_settings().items()]
+    return shlex.join(["env", *settings, *words] if settings else words)
+
+
 def rerun_command() -> str:
     """This run's command line, from the repository root."""
     script = os.path.relpath(Path(sys.argv[0]).resolve(), ROOT)
-    return f"cd {shlex.quote(str(ROOT))} && " + shlex.join([sys.executable, script, *sys.argv[1:]])
+    return f"cd {shlex.quote(str(ROOT))} && " + with_kernel_settings([sys.executable, script, *sys.argv[1:]])
 
 
 def machine_info() -> dict:
@@ -235,6 +254,7 @@ def machine_info() -> dict:
         "cpu_model": cpu_model,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bf16": native_bf16(),
+        "kernel_settings": kernel_settings(),
         "cpu_count": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "load_average_at_start": os.getloadavg(),
@@ -341,7 +361,7 @@ def main() -> None:
         key = f"{side}_{precision}"
         result_path = output.parent / f"{output.stem}.{key}.json"
         command = worker_command(args, side, precision, result_path)
-        commands[key] = shlex.join(command)
+        commands[key] = with_kernel_settings(command)
         print(f"[bench] {key} (run {number + 1} of {len(runs(args))}): {args.steps} steps ...", flush=True)
         log_path = output.parent / f"{output.stem}.{key}.{len(reports.get(key, []))}.log"
         report = run_worker(command, log_path, result_path, args.timeout)

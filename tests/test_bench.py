@@ -40,6 +40,24 @@ def test_reports_are_named_by_date_benchmark_and_machine(monkeypatch):
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-bench-amd-epyc-avx2\.json", path.name)
 
 
+def test_a_bench_report_records_the_kernel_settings_it_ran_under(monkeypatch):
+    run = bench_module("run")
+    for name in run.KERNEL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert run.machine_info()["kernel_settings"] == {}
+    assert run.with_kernel_settings(["python", "bench/worker.py"]) == "python bench/worker.py"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert run.machine_info()["kernel_settings"] == {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
+    assert run.with_kernel_settings(["python", "bench/worker.py"]) == (
+        "env ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/worker.py"
+    )
+    assert " && env ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 " in run.rerun_command()
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_auto_precisions_skip_bf16_where_it_is_emulated(native, monkeypatch):
     run = bench_module("run")
