@@ -366,8 +366,10 @@ def exit_worker() -> None:
     # process can abort (SIGABRT, "terminate called without an active exception") after all is done.
     PartialState().destroy_process_group()
     # Even then FSDP2 runs still aborted that way now and then (3 of 7 full runs on one day; and
-    # tests/server_worker.py's FSDP2 run 2 of about 6 after it destroyed its group): every
-    # result is written by now, so leave without running C++ destructors. Errors above still raise.
+    # tests/server_worker.py's FSDP2 run 2 of about 6 after it destroyed its group): here the group
+    # outlives destroy_process_group, held by DeepSpeed's default arguments and the trainer's
+    # reference cycles (what `grpo_hf_cli.grpo.run` undoes for the command line). Every result is
+    # written by now, so leave without running C++ destructors. Errors above still raise.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
