@@ -41,7 +41,7 @@ from grpo_hf import (
     get_peft_config,
     get_quantization_config,
 )
-from grpo_hf.models.loading import DEFAULT_MODEL, resolve_model_path
+from grpo_hf.models.loading import DEFAULT_MODEL, check_reward_model_path, resolve_model_path
 from grpo_hf.script_utils import load_script_dataset
 from grpo_hf.tasks import TASKS
 from grpo_hf_cli import task_report
@@ -131,6 +131,8 @@ def check_settings(
     # A bad model name fails here, in seconds; the built-in default is left to download when training.
     if model.model_name_or_path not in (None, DEFAULT_MODEL):
         resolve_model_path(model.model_name_or_path)
+    if script.reward_model_name_or_path:
+        check_reward_model_path(script.reward_model_name_or_path)
     if script.merge_adapter and not model.use_peft:
         raise ValueError("--merge_adapter merges a LoRA adapter: it needs --use_peft.")
 

@@ -16,6 +16,7 @@ from trainer_helpers import free_port
 import grpo_hf.rewards
 from grpo_hf import DatasetMixtureConfig, GRPOConfig
 from grpo_hf.engine import native_bf16
+from grpo_hf.models import loading
 from grpo_hf.script_utils import load_script_dataset
 from grpo_hf_cli import env, launch
 from grpo_hf_cli.grpo import GRPOScriptArguments, check_settings, load_data, make_parser
@@ -94,9 +95,29 @@ def test_settings_that_cannot_train_are_refused_while_parsing(words, said):
     assert said in str(error.value)
 
 
-def test_a_task_and_a_reward_model_need_no_reward_funcs():
+def test_a_task_and_a_reward_model_need_no_reward_funcs(monkeypatch):
+    monkeypatch.setattr(loading, "_hub_reachable", lambda: True)
     check_settings(*settings("--task", "arithmetic"))
     check_settings(*settings("--dataset_name", "d", "--reward_model_name_or_path", "some/rm"))
+
+
+def test_a_reward_model_that_cannot_be_had_is_refused_while_parsing(tmp_path, monkeypatch, model_dir):
+    """Offline, a reward model's hub id waited through the hub client's retries before it failed."""
+    monkeypatch.setattr(loading, "is_offline_mode", lambda: True)
+    monkeypatch.setattr(loading.hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(OSError) as error:
+        check_settings(*settings("--dataset_name", "d", "--reward_model_name_or_path", "someone/no-such-rm"))
+    assert str(error.value) == (
+        "reward_model_name_or_path='someone/no-such-rm': it is not a local folder, the Hugging Face cache has no "
+        "copy of it, and the hub cannot be reached (offline mode); pass a local folder with config.json or a hub id"
+    )
+    with pytest.raises(ValueError, match=f"the folder {tmp_path} has no config.json"):
+        check_settings(*settings("--dataset_name", "d", "--reward_model_name_or_path", str(tmp_path)))
+    with pytest.raises(FileNotFoundError, match="'./no-such-rm': there is no such folder"):
+        check_settings(*settings("--dataset_name", "d", "--reward_model_name_or_path", "./no-such-rm"))
+    (tmp_path / "models--someone--cached-rm").mkdir()  # in the cache: from_pretrained loads it offline
+    check_settings(*settings("--dataset_name", "d", "--reward_model_name_or_path", "someone/cached-rm"))
+    check_settings(*settings("--dataset_name", "d", "--reward_model_name_or_path", str(model_dir)))
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".tsv", ".parquet", ".jsonl.gz"])
@@ -298,6 +319,16 @@ def test_mistakes_are_one_line_before_anything_starts(tmp_path):
     )
     assert model.returncode == 2 and "Retrying" not in model.stderr
     assert "built-in model ('smollm2-135m-instruct': no hub needed)" in model.stderr
+    reward_model = run_cli(
+        "grpo",
+        "--dataset_name",
+        "data.jsonl",
+        "--reward_model_name_or_path",
+        "someone/no-such-rm",
+        env_vars={"HF_HUB_OFFLINE": "1"},
+    )
+    assert reward_model.returncode == 2 and len(reward_model.stderr.strip().splitlines()) == 1
+    assert "reward_model_name_or_path='someone/no-such-rm': it is not a local folder" in reward_model.stderr
     missing = run_cli("grpo", "--config", "recipes/configs/smollm2_lora_arithmetc.yaml")
     assert missing.returncode == 2
     assert (

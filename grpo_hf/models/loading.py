@@ -77,15 +77,41 @@ def resolve_model_path(name_or_path: str) -> str:
         return str(_cached_checkpoint(dest, lambda _work: _checked_gguf(path, name_or_path)))
     if path.exists() or name_or_path.startswith(("/", "./", "../", "~")) or path.suffix == ".gguf":
         raise FileNotFoundError(_bad_setting(name_or_path, "there is no such folder or .gguf file"))
-    if not _in_hub_cache(name_or_path) and not _hub_reachable():
+    _check_hub_id(name_or_path, "it is not a local folder or .gguf file", _bad_setting)
+    return name_or_path
+
+
+def check_reward_model_path(name_or_path: str) -> None:
+    """Fail in seconds, naming `reward_model_name_or_path`, where the reward model is neither a local
+    folder with a config.json nor a hub id that can be fetched (in the Hugging Face cache, or the hub
+    answers); otherwise it would fail only once the trainer loads it, after the policy, or wait
+    through the hub client's retries where the network does not answer."""
+
+    def bad(name: str, problem: str) -> str:
+        return (
+            f"reward_model_name_or_path={name!r}: {problem}; pass a local folder with config.json or a hub id"
+        )
+
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(bad(name_or_path, f"the folder {path} has no config.json"))
+        return
+    if path.exists() or name_or_path.startswith(("/", "./", "../", "~")):
+        raise FileNotFoundError(bad(name_or_path, "there is no such folder"))
+    _check_hub_id(name_or_path, "it is not a local folder", bad)
+
+
+def _check_hub_id(repo_id: str, not_local: str, bad: Callable[[str, str], str]) -> None:
+    """Raise OSError (`bad`'s message) where `repo_id` is in no Hugging Face cache and the hub cannot be reached."""
+    if not _in_hub_cache(repo_id) and not _hub_reachable():
+        reason = "offline mode" if is_offline_mode() else "no answer from " + hub_constants.ENDPOINT
         raise OSError(
-            _bad_setting(
-                name_or_path,
-                "it is not a local folder or .gguf file, the Hugging Face cache has no copy of it, and the hub "
-                f"cannot be reached ({'offline mode' if is_offline_mode() else 'no answer from ' + hub_constants.ENDPOINT})",
+            bad(
+                repo_id,
+                f"{not_local}, the Hugging Face cache has no copy of it, and the hub cannot be reached ({reason})",
             )
         )
-    return name_or_path
 
 
 def load_tokenizer(name_or_path: str, **kwargs) -> PreTrainedTokenizerBase:
