@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 import urllib.request
@@ -223,6 +224,25 @@ def test_abort_ends_the_requests_in_flight_at_once_and_refuses_new_ones(server):
     assert isinstance(outcome[0], ConnectionError)
     with pytest.raises(ConnectionError, match="aborted"):
         client.complete(body)
+
+
+def test_an_abort_while_a_connection_opens_ends_its_request_too(server, monkeypatch):
+    """`abort` landing while a request's connection is being made (no socket yet to shut down, or
+    just after the request checked `aborted`) ends that request at once too, instead of leaving it to
+    wait for the server (5 s here; a stopping run waited 30 s for its generation thread)."""
+    client, body = VLLMClient(server.url, timeout=30.0), {"prompt": [1], "n": 1, "max_tokens": 2, "seed": 0}
+    server.delay = 5.0
+    connect = socket.create_connection
+
+    def abort_then_connect(*args, **kwargs):
+        client.abort()
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(socket, "create_connection", abort_then_connect)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError):
+        client.complete(body)
+    assert time.monotonic() - start < 2.5
 
 
 def test_a_server_without_dev_mode_or_with_raw_logprobs_is_refused(tmp_path, server):

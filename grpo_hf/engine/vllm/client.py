@@ -57,11 +57,7 @@ class VLLMClient:
         with self._lock:
             self.aborted = True
             for connection in self._connections:
-                if connection.sock is not None:
-                    try:
-                        connection.sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass  # already closed
+                _shut_down(connection)
 
     def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
         """One request; the JSON answer ({} for an empty one, {"text": ...} for plain text). Raises ConnectionError (no server, or it
@@ -231,9 +227,20 @@ def _tracked(handler: type, client: VLLMClient) -> urllib.request.BaseHandler:
 
             def connection(*args, **kw):
                 made.append(http_class(*args, **kw))
+                opened, connect = made[-1], made[-1].connect
+
+                def connect_unless_aborted():
+                    # An abort that came while this socket was being made (or after `request` checked)
+                    # found no socket to shut down: shut it down here, before the request is sent.
+                    connect()
+                    with client._lock:
+                        if client.aborted:
+                            _shut_down(opened)
+
+                opened.connect = connect_unless_aborted
                 with client._lock:
-                    client._connections.add(made[-1])
-                return made[-1]
+                    client._connections.add(opened)
+                return opened
 
             try:
                 return super().do_open(connection, request, **kwargs)
@@ -242,6 +249,15 @@ def _tracked(handler: type, client: VLLMClient) -> urllib.request.BaseHandler:
                     client._connections.difference_update(made)
 
     return Tracked()
+
+
+def _shut_down(connection: http.client.HTTPConnection) -> None:
+    """End `connection`'s exchange: its reads and writes fail at once (a connection not yet opened is left)."""
+    if connection.sock is not None:
+        try:
+            connection.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed
 
 
 def _on_this_machine(host: str | None) -> bool:
