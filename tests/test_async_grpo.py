@@ -724,8 +724,8 @@ def test_a_base_exception_from_a_reward_function_reaches_the_trainer_at_once(tmp
 def test_an_error_on_the_training_thread_aborts_the_requests_in_flight(tmp_path, server):
     """Rounds 1-3 are in flight on a server that holds them when training fails: train() ends at
     once, the requests aborted, no thread left. The server answers them only after train() has
-    returned (or after 60 s): a train() that waited for them would take a minute, so the bound
-    below holds on a loaded machine and fails only if train() waits."""
+    returned (or after 60 s): a request left waiting holds the generation thread past stop()'s 30 s
+    join, so the bound below fails then, and only then, however loaded the machine."""
 
     class Fails(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):

@@ -102,7 +102,8 @@ def test_a_task_and_a_reward_model_need_no_reward_funcs(monkeypatch):
 
 
 def test_a_reward_model_that_cannot_be_had_is_refused_while_parsing(tmp_path, monkeypatch, model_dir):
-    """Offline, a reward model's hub id waited through the hub client's retries before it failed."""
+    """A reward model that cannot be had failed only once the trainer loaded it, after the policy (or,
+    with no network, after the hub client's retries)."""
     monkeypatch.setattr(loading, "is_offline_mode", lambda: True)
     monkeypatch.setattr(loading.hub_constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(OSError) as error:
