@@ -47,6 +47,7 @@ from grpo_hf.engine.generation_copy import GenerationCopy
 from grpo_hf.engine.quantization import (
     ROLLOUT_QUANTIZATIONS,
     Int8Matmul,
+    full_range_activations,
     int8_kernel_supported,
     quantize_linears,
     quantize_per_channel,
@@ -61,6 +62,7 @@ SHAPES = {
 }
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
 from results_file import results_path  # noqa: E402
+from run import machine_info  # noqa: E402
 
 OUTPUT = results_path("int8_kernels")
 
@@ -205,6 +207,8 @@ def main() -> None:
     results["threads"] = args.threads
     results["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     results["vnni"] = torch.cpu._is_vnni_supported()
+    results["full_range_activations"] = full_range_activations()
+    results["machine"] = machine_info()
     results["torch"] = torch.__version__
     OUTPUT.parent.mkdir(parents=True, exist_ok=True)
     OUTPUT.write_text(json.dumps(results, indent=1))

@@ -41,6 +41,7 @@ from grpo_hf_cli.task_report import evaluate_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
 from results_file import results_path  # noqa: E402
+from run import machine_info  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "grpo.py"
@@ -208,7 +209,8 @@ def run(args: argparse.Namespace) -> dict:
     before = json.loads(results.read_text())["accuracy_before"] if results.exists() else None
     report = {"name": args.name, "trainer": args.trainer, "config": str(args.config.relative_to(ROOT)),
               "flags": args.recipe_flags, "steps": args.steps, "core": args.core, "recipe_seconds": seconds,
-              "accuracy_before": before, "logged": logged(output_dir), "curve": curve}  # fmt: skip
+              "accuracy_before": before, "logged": logged(output_dir), "curve": curve,
+              "machine": machine_info()}  # fmt: skip
     output = results_path(f"learning_curve-{args.name}")
     output.parent.mkdir(exist_ok=True)
     output.write_text(json.dumps(report, indent=1) + "\n")

@@ -81,6 +81,7 @@ from grpo_hf.models.loading import DEFAULT_MODEL, load_model
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is scripts, not a package
 from int8_kernels import TAME_INT8  # noqa: E402
 from results_file import results_path  # noqa: E402
+from run import machine_info  # noqa: E402
 
 ROWS, GROUP, PROMPT, COMPLETION = 16, 8, 29, 48
 # The precision the trainer's precision='auto' takes here: bf16 only on a CPU that multiplies it natively.
@@ -353,6 +354,7 @@ def main() -> None:
     results["threads"] = torch.get_num_threads()
     results["dtype"] = str(DTYPE)
     results["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    results["machine"] = machine_info()
     output = results_path(f"levers-{args.only.replace(' ', '_')}") if args.only else OUTPUT
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=1))

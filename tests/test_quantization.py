@@ -2,6 +2,10 @@
 float ones, the quantized copy following the policy, and where the setting is refused."""
 
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -94,6 +98,36 @@ def test_activations_take_all_8_bits_only_where_the_cpu_has_vnni(monkeypatch, vn
     as quantize_dynamic does; with VNNI the sums are 32-bit and the activations take all 8 bits."""
     monkeypatch.setattr(quantization, "full_range_activations", lambda: vnni)
     assert Int8Matmul(torch.randn(8, 8)).reduce_range is (not vnni)
+
+
+KERNEL_CHOICE = """
+import json, torch
+from grpo_hf.engine.quantization import Int8Matmul, full_range_activations
+product = Int8Matmul(torch.ones(4, 64))(torch.ones(2, 64))
+print(json.dumps({"full_range": full_range_activations(), "product": product.unique().tolist()}))
+"""
+
+
+@pytest.mark.skipif(
+    not quantization.int8_kernel_supported(), reason="PyTorch's int8 kernel (fbgemm) does not run here"
+)
+@pytest.mark.parametrize("isa", [None, "AVX2"])
+def test_8_bit_activations_only_where_fbgemm_sums_in_32_bits(isa):
+    """A row of 64 ones times a weight of ones is 64. Rounded to 8 bits, each activation is 255 and each
+    weight 127: fbgemm's AVX2 kernels add pairs of products in 16 bits (255 * 127 * 2 > 32,767) and
+    gave 32.4 for it here, so there the activations take 7 bits. Held to AVX2 kernels by
+    FBGEMM_ENABLE_INSTRUCTIONS (as on an AVX2 CPU) the choice follows the kernels, not the CPU's
+    own VNNI; left to the CPU, all 8 bits exactly where it has VNNI."""
+    env = {key: value for key, value in os.environ.items() if key != "FBGEMM_ENABLE_INSTRUCTIONS"}
+    if isa:
+        env["FBGEMM_ENABLE_INSTRUCTIONS"] = isa
+    run = subprocess.run(
+        [sys.executable, "-c", KERNEL_CHOICE], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["full_range"] is (torch.cpu._is_vnni_supported() if isa is None else False)
+    assert result["product"] == [64.0]
 
 
 @pytest.mark.skipif(

@@ -8,8 +8,8 @@ weight is rounded per output channel (row): scale = max |w_row| / 127, q = round
 - 'int8' (`Int8Matmul`): PyTorch's dynamic int8 linear (`torch.ops.quantized.linear_dynamic`,
   fbgemm): the activations rounded to 8-bit integers at each call, one scale per call (over all
   its rows), int32 sums, the weight scales applied on the way out. 7 bits (`reduce_range`, as
-  `quantize_dynamic` does on x86) only where the CPU lacks VNNI (AVX2): there fbgemm's 8-bit
-  products can saturate its 16-bit sums; VNNI sums in 32 bits, and the 8th bit halves the
+  `quantize_dynamic` does on x86) only where fbgemm's kernels lack VNNI (AVX2): there its 8-bit
+  products can saturate 16-bit sums; VNNI sums in 32 bits, and the 8th bit halves the
   activations' rounding (`full_range_activations`). The fastest int8 path PyTorch 2.13 and
   torchao 0.18 offer on a CPU (`bench/int8_kernels.py`, docs/benchmarks.md: 2 threads, AVX-512-BF16
   + VNNI EPYC, idle): the LM head's 16 x 576 -> 49,152 took 2.0 ms against 3.3 ms for the bf16
@@ -75,9 +75,18 @@ def _prepacked(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def full_range_activations() -> bool:
-    """Whether fbgemm may round activations to all 8 bits here: with VNNI (its int8 products sum in
-    32 bits); without it (AVX2) 7 bits, as `quantize_dynamic` does, so its 16-bit sums cannot saturate."""
-    return torch.cpu._is_vnni_supported()
+    """Whether fbgemm may round activations to all 8 bits here: only where its kernels sum int8
+    products in 32 bits (VNNI). Its AVX2 and plain AVX-512 kernels add each pair of u8 x i8 products
+    in a saturating 16-bit sum, which 8-bit activations can overflow (255 * 127 * 2 > 32,767); there
+    7 bits, as `quantize_dynamic` does. fbgemm picks its kernels from the CPU and from
+    `FBGEMM_ENABLE_INSTRUCTIONS`, so this asks the kernel: one product that overflows a 16-bit sum."""
+    weight, x = torch.ones(1, 64), torch.ones(1, 64)  # every activation rounds to 255, every weight to 127
+    q, scale = quantize_per_channel(weight)
+    try:
+        product = torch.ops.quantized.linear_dynamic(x, _prepacked(q, scale), False)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return torch.allclose(product, torch.full_like(product, 64.0))
 
 
 @functools.cache
@@ -115,7 +124,7 @@ class Int8Matmul:
             )
         q, scale = quantize_per_channel(weight)
         self.fast = self.rounds_activations and int8_kernel_supported()
-        self.reduce_range = not full_range_activations()  # 7-bit activations without VNNI
+        self.reduce_range = not full_range_activations()  # 7 bits where fbgemm sums in 16 bits
         if self.fast:
             self.weight = _prepacked(q, scale)
         else:
