@@ -76,6 +76,18 @@ def _prepacked(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_prepack(quantized, None)
 
 
+def _kernel_product(weight: torch.Tensor, x: torch.Tensor, reduce_range: bool) -> torch.Tensor | None:
+    """x @ (q * scale).T on PyTorch's dynamic int8 linear (fbgemm), q and scale `weight` rounded per
+    channel; None where the kernel does not run here."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return None
+    q, scale = quantize_per_channel(weight)
+    try:
+        return torch.ops.quantized.linear_dynamic(x, _prepacked(q, scale), reduce_range)
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 @functools.cache
 def full_range_activations() -> bool:
     """Whether fbgemm may round activations to all 8 bits here: only where its kernels sum int8
@@ -83,29 +95,20 @@ def full_range_activations() -> bool:
     in a saturating 16-bit sum, which 8-bit activations can overflow (255 * 127 * 2 > 32,767); there
     7 bits, as `quantize_dynamic` does. fbgemm picks its kernels from the CPU and from
     `FBGEMM_ENABLE_INSTRUCTIONS`, so this asks the kernel: one product that overflows a 16-bit sum."""
-    weight, x = torch.ones(1, 64), torch.ones(1, 64)  # every activation rounds to 255, every weight to 127
-    q, scale = quantize_per_channel(weight)
-    try:
-        product = torch.ops.quantized.linear_dynamic(x, _prepacked(q, scale), False)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return torch.allclose(product, torch.full_like(product, 64.0))
+    # Every activation rounds to 255, every weight to 127; the exact product is 64.
+    product = _kernel_product(torch.ones(1, 64), torch.ones(1, 64), reduce_range=False)
+    return product is not None and torch.allclose(product, torch.full_like(product, 64.0))
 
 
 @functools.cache
 def int8_kernel_supported() -> bool:
     """Whether PyTorch's dynamic int8 linear runs here (x86 fbgemm), checked on one small product
     against the float product of the same rounded weights."""
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return False
     weight = torch.linspace(-1, 1, 64).view(8, 8)
     x = torch.linspace(1, -1, 16).view(2, 8)
+    product = _kernel_product(weight, x, reduce_range=not full_range_activations())
     q, scale = quantize_per_channel(weight)
-    try:
-        product = torch.ops.quantized.linear_dynamic(x, _prepacked(q, scale), not full_range_activations())
-    except (RuntimeError, NotImplementedError):
-        return False
-    return torch.allclose(product, F.linear(x, q.float() * scale[:, None]), atol=0.05)
+    return product is not None and torch.allclose(product, F.linear(x, q.float() * scale[:, None]), atol=0.05)
 
 
 class Int8Matmul:
