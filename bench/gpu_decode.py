@@ -21,13 +21,16 @@ the worker's peak RSS). The reference process generates `--reference-rows` x `--
 from the smol model with transformers' `generate` on a static cache (compiled on CUDA) and with our
 decoders (generation_backend 'llama_static', 'llama' and 'transformers_static', the fixed-shape path
 of models other than Llama, through the model's own forward; on CUDA 'llama_compiled' and
-'transformers_compiled' too, compiled as theirs is): each line's tokens/s is its second call's;
+'transformers_compiled' too, compiled as theirs is), and the fixed-shape Llama decoders again on
+the model's FP8 form (`rollout_quantization='fp8'`: `_fp8` lines; emulated on a CPU, where they
+say nothing of speed): each line's tokens/s is its second call's;
 its first call's seconds (compilation, or the CUDA graph capture) are printed beside.
 TRL is needed only for its side (`pip install -e ".[bench]"`); without it that side is skipped and
 the output says so. Results: bench/results/<date>-gpu_decode-<machine>.json.
 """
 
 import argparse
+import copy
 import importlib.metadata
 import importlib.util
 import json
@@ -50,6 +53,7 @@ from worker import StepTimer, build_trainer, per_step_logs, tokens_per_second  #
 from grpo_hf.data import rollout  # noqa: E402
 from grpo_hf.engine.generation import Sampling  # noqa: E402
 from grpo_hf.engine.local import generate, generation_config  # noqa: E402
+from grpo_hf.engine.quantization import quantize_linears  # noqa: E402
 from grpo_hf.models.loading import DEFAULT_MODEL, resolve_model_path  # noqa: E402
 from grpo_hf.tasks import arithmetic_dataset  # noqa: E402
 
@@ -70,6 +74,7 @@ WORKLOADS = {  # name: (shape, prompts per step, G, max completion length, LoRA)
 }
 REFERENCE_BACKENDS = ("llama_static", "llama", "transformers_static")
 COMPILED_BACKENDS = ("llama_compiled", "transformers_compiled")  # on CUDA, where theirs compiles too
+FP8_BACKENDS = ("llama_static",)  # and llama_compiled on CUDA: the decoders of FP8 rollouts on a GPU
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,6 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--generation-backend",
         default="auto",
         help="Ours: GRPOConfig.generation_backend ('auto': on a GPU the compiled fixed-shape decoder).",
+    )
+    parser.add_argument(
+        "--rollout-quantization",
+        default=None,
+        help="Ours: GRPOConfig.rollout_quantization ('fp8': the sampler on FP8 matmuls, compute capability 8.9+).",
     )
     parser.add_argument(
         "--gradient-checkpointing",
@@ -143,6 +153,7 @@ def train(spec: dict) -> dict:
     overrides = {"gradient_checkpointing": spec["gradient_checkpointing"]}
     if spec["side"] == "ours":
         overrides["generation_backend"] = spec["generation_backend"]
+        overrides["rollout_quantization"] = spec["rollout_quantization"]
     tokenizer = AutoTokenizer.from_pretrained(spec["config"])
     with tempfile.TemporaryDirectory(prefix=f"gpu-decode-{spec['side']}-") as output_dir:
         model = random_model(spec["config"], shape)
@@ -217,6 +228,11 @@ def reference(spec: dict) -> dict:
     for backend in REFERENCE_BACKENDS + (COMPILED_BACKENDS if device == "cuda" else ()):  # as theirs
         lines[f"ours_{backend}"] = timed(
             lambda b=backend: generate(model, ids, mask, ours, b).completion_ids, eos
+        )
+    fp8 = quantize_linears(copy.deepcopy(model), "fp8")  # rollout_quantization='fp8' (emulated on a CPU)
+    for backend in FP8_BACKENDS + (("llama_compiled",) if device == "cuda" else ()):
+        lines[f"ours_{backend}_fp8"] = timed(
+            lambda b=backend: generate(fp8, ids, mask, ours, b).completion_ids, eos
         )
     return {"rows": rows, "new_tokens": new, "dtype": str(dtype), "lines": lines}
 
@@ -294,13 +310,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     if skipped:
         print("TRL is not installed: its side is skipped (pip install -e '.[bench]', or make bench-gpu).")
     report = {"command": rerun_command(), "device": device_name(), "versions": versions(), "skipped": skipped,
-              "gradient_checkpointing": args.gradient_checkpointing, "workloads": {}, "reference": {}}  # fmt: skip
+              "gradient_checkpointing": args.gradient_checkpointing,
+              "rollout_quantization": args.rollout_quantization, "workloads": {}, "reference": {}}  # fmt: skip
     runs = [(name, side) for name in args.workloads for side in args.sides if side not in skipped]
     for name, side in runs:
         result_path = output.parent / f"gpu_decode.{name}.{side}.json"
         spec = {"kind": "train", "workload": workload(args, name), "side": side, "steps": args.steps,
                 "config": str(config), "generation_backend": args.generation_backend, "output": str(result_path),
-                "gradient_checkpointing": args.gradient_checkpointing}  # fmt: skip
+                "gradient_checkpointing": args.gradient_checkpointing,
+                "rollout_quantization": args.rollout_quantization}  # fmt: skip
         print(f"[bench-gpu] {name}, {side} ...", flush=True)
         log = output.parent / f"gpu_decode.{name}.{side}.log"
         report["workloads"].setdefault(name, {})[side] = run_worker(

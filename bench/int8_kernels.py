@@ -22,8 +22,9 @@ disturbed run on a shared machine) of its repeats, in ms per call.
 
 Then what each `rollout_quantization` does to the sampler (`sampler_kl`): the default model
 (float32, as the policy) and its generation copy (bf16 where this CPU multiplies bf16 natively, else
-float32; then int8 or int8_weight_only on top) decode the same 24 tokens after the same prompts
-(16 rows: 2 arithmetic prompts x 8, tokens drawn from the policy), and the mean per-token
+float32; then int8, int8_weight_only or fp8 on top, fp8 emulated: the GPU kernel's maths) decode the
+same 24 tokens after the same prompts (16 rows: 2 arithmetic prompts x 8, tokens drawn from the
+policy), and the mean per-token
 KL(policy || copy) of the next-token distributions is printed, prefill's first token apart; then
 the same with 'int8' on one kind of matmul only (`INT8_ONLY`: q/k/v, o, gate/up, down, the LM head,
 and o + gate/up + LM head), the others as the bf16 copy: where the int8 sampler's error comes from.

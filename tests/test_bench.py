@@ -89,7 +89,7 @@ def test_int8_kernels_bench_puts_each_kind_of_matmul_alone_in_int8():
         return {
             name.rsplit(".", 1)[-1]
             for name, module in model.named_modules()
-            if hasattr(module, "int8_matmul")
+            if hasattr(module, "quantized_matmul")
         }
 
     names = [f"torch.float32 copy{kind}" for kind in ("", ", int8", ", int8_weight_only")]
@@ -262,8 +262,8 @@ def test_vllm_backend_bench_runs_our_side(tmp_path):
 @pytest.mark.slow
 def test_gpu_decode_bench_runs_end_to_end_with_tiny_settings(tmp_path):
     """bench/gpu_decode.py on this machine's device, a tiny Llama config standing for SmolLM2's:
-    one workload (TRL's side too where TRL is installed), gradient checkpointing asked for, and the
-    reference generate lines."""
+    one workload (TRL's side too where TRL is installed), gradient checkpointing and our FP8 sampler
+    asked for, and the reference generate lines."""
     config = tmp_path / "tiny-config"
     tiny_llama().config.save_pretrained(config)
     tiny_tokenizer().save_pretrained(config)
@@ -272,7 +272,7 @@ def test_gpu_decode_bench_runs_end_to_end_with_tiny_settings(tmp_path):
         sys.executable, str(ROOT / "bench" / "gpu_decode.py"), "--model-config", str(config),
         "--workloads", "smol-8x8-256", "--prompts", "1", "--num-generations", "2",
         "--max-completion-length", "4", "--steps", "2", "--reference-rows", "2", "--reference-tokens", "4",
-        "--gradient-checkpointing", "--output", str(output),
+        "--gradient-checkpointing", "--rollout-quantization", "fp8", "--output", str(output),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -289,12 +289,15 @@ def test_gpu_decode_bench_runs_end_to_end_with_tiny_settings(tmp_path):
         assert result["median_tokens_per_second"] > 0 and 1 <= result["mean_completion_length"] <= 4
         assert (result["peak_gib"] if torch.cuda.is_available() else result["peak_rss_gib"]) > 0
     lines = report["reference"]["lines"]
+    compiled = {"ours_llama_compiled", "ours_transformers_compiled", "ours_llama_compiled_fp8"}
     assert set(lines) == {
         "transformers_static",
         "ours_llama_static",
         "ours_llama",
         "ours_transformers_static",
-    }
+        "ours_llama_static_fp8",
+    } | (compiled if torch.cuda.is_available() else set())
+    assert report["rollout_quantization"] == "fp8"  # our side's sampler
     for line in lines.values():
         assert 2 <= line["tokens"] <= 8 and line["tokens_per_second"] > 0  # 2 rows, up to 4 tokens each
     assert "bench/gpu_decode.py" in report["command"] and "Reference: 2 rows x 4 new tokens" in done.stdout

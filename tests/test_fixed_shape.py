@@ -259,13 +259,16 @@ def test_the_turns_of_multi_turn_episodes_share_captured_steps(eager_graphs):
     assert captures == [4, 0]
 
 
-def check_refreshed_weights_reach_the_replay(policy, device: str, backends: tuple[str, str], moved: tuple):
-    """`policy`'s generation copy, refreshed in place after each 'optimizer step' that moves the
-    LoRA B matrices of one of `moved`: the fixed-shape backend's (`backends[1]`) replayed greedy
-    tokens change, and are those of eager steps on the new weights and of the shrinking loop
-    (`backends[0]`). A step that read stale weights would repeat the previous round's tokens."""
+def check_refreshed_weights_reach_the_replay(
+    policy, device: str, backends: tuple[str, str], moved: tuple, quantization: str | None = None
+):
+    """`policy`'s generation copy (quantized as `quantization` says), refreshed in place after each
+    'optimizer step' that moves the LoRA B matrices of one of `moved`: the fixed-shape backend's
+    (`backends[1]`) replayed greedy tokens change, and are those of eager steps on the new weights
+    and of the shrinking loop (`backends[0]`). A step that read stale weights would repeat the
+    previous round's tokens."""
     loop_backend, backend = backends
-    copy = GenerationCopy(policy, torch.float32)
+    copy = GenerationCopy(policy, torch.float32, quantization=quantization)
     ids, mask = prompts(device=device)
     config = GenerationConfig(do_sample=False, max_new_tokens=12, pad_token_id=0, eos_token_id=[2])
     previous = generate(copy.refresh(), ids, mask, config, backend).completion_ids

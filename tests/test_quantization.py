@@ -256,7 +256,7 @@ def test_int8_rollouts_are_refused_on_a_gpu(tmp_path, monkeypatch):
     args = make_config(tmp_path, rollout_quantization="int8", use_cpu=True)
     args.use_cpu = False  # as a run on a GPU (TrainingArguments would place itself on it if built so here)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(ValueError, match="trains on a GPU: unset rollout_quantization"):
+    with pytest.raises(ValueError, match="trains on a GPU: use rollout_quantization=.fp8."):
         args._check_rollout_quantization()
 
 
@@ -270,7 +270,7 @@ def test_training_samples_from_the_int8_copy_and_logs_the_mismatch(tmp_path, int
         processing_class=tiny_tokenizer(),
     )
     layer = trainer.generator.copy.model.model.layers[0].self_attn.q_proj
-    assert layer.int8_matmul is quantization.MATMULS[kind]
+    assert layer.quantized_matmul is quantization.MATMULS[kind]
     trainer.train()
     logged = trainer.state.log_history[0]
     assert logged["sampling/sampling_logp_difference/max"] > 0  # int8 sampler != float policy

@@ -34,7 +34,7 @@ from grpo_hf.config.rollout_args import REWARD_ERROR_POLICIES, SCALE_REWARDS, Ro
 from grpo_hf.config.vllm_args import VLLMArguments
 from grpo_hf.engine import native_bf16
 from grpo_hf.engine.decoding import DECODERS, QUANTIZED_DECODERS
-from grpo_hf.engine.quantization import ROLLOUT_QUANTIZATIONS
+from grpo_hf.engine.quantization import ROLLOUT_QUANTIZATIONS, fp8_kernel_supported
 
 __all__ = [
     "GENERATION_BACKENDS",
@@ -204,12 +204,15 @@ class GRPOConfig(
     rollout_quantization: str | None = field(
         default=None,
         metadata={
-            "help": "(grpo-hf) Sample from a copy of the policy whose matmuls take int8 weights (one scale per "
-            "output channel), refreshed with the weights each round, LoRA merged first; on a CPU, with "
-            "generation_backend 'auto', 'llama', 'transformers' or 'transformers_static'. 'int8': activations "
+            "help": "(grpo-hf) Sample from a copy of the policy whose matmuls take 8-bit weights (one scale per "
+            "output channel), refreshed with the weights each round, LoRA merged first. On a CPU, with "
+            "generation_backend 'auto', 'llama', 'transformers' or 'transformers_static': 'int8', activations "
             "rounded to int8 at each call too (PyTorch's fbgemm dynamic int8 linear): the fast one, and the "
-            "farthest from the policy (docs/benchmarks.md). 'int8_weight_only': activations as they are, the "
-            "weights' rounding alone, at the copy's own speed (PyTorch has no faster CPU kernel for it). The sampler's log-probs are the quantized "
+            "farthest from the policy (docs/benchmarks.md); 'int8_weight_only': activations as they are, the "
+            "weights' rounding alone, at the copy's own speed (PyTorch has no faster CPU kernel for it). 'fp8': "
+            "float8 e4m3 weights and activations (one scale per token), torch._scaled_mm on a GPU of compute "
+            "capability 8.9+ (generation_backend 'auto', 'llama', 'llama_static', 'llama_compiled' or "
+            "'transformers'); emulated, no faster, on a CPU. The sampler's log-probs are the quantized "
             "copy's, so sampler/* shows the mismatch and sampler_is_cap / off_policy_mask_threshold correct for "
             "it. None (default): the copy multiplies in generation_dtype. With vLLM use vLLM's own quantization "
             "(vllm_engine_kwargs)."
@@ -375,7 +378,7 @@ class GRPOConfig(
         check_ranges(checks)
 
     def _check_rollout_quantization(self) -> None:
-        """rollout_quantization: a known kind, and where its int8 kernels run (after use_vllm is resolved)."""
+        """rollout_quantization: a known kind, and where its kernels run (after use_vllm is resolved)."""
         if self.rollout_quantization is None:
             return
         if self.rollout_quantization not in ROLLOUT_QUANTIZATIONS:
@@ -389,15 +392,30 @@ class GRPOConfig(
                 "server with --quantization fp8."
             )
         if not self.use_cpu and torch.cuda.is_available():
-            raise ValueError(
-                f"rollout_quantization={self.rollout_quantization!r} runs on a CPU (PyTorch's fbgemm int8 kernels), "
-                "and this run trains on a GPU: unset rollout_quantization (or use vLLM with its own quantization)."
-            )
-        if self.generation_backend not in QUANTIZED_DECODERS:
+            self._check_gpu_rollout_quantization()
+        decoders = QUANTIZED_DECODERS[self.rollout_quantization]
+        if self.generation_backend not in decoders:
             raise ValueError(
                 f"rollout_quantization={self.rollout_quantization!r} decodes with generation_backend in "
-                f"{QUANTIZED_DECODERS}, not "
-                f"{self.generation_backend!r}; set generation_backend='auto' or unset rollout_quantization."
+                f"{decoders}, not {self.generation_backend!r}; set generation_backend='auto' or unset "
+                "rollout_quantization."
+            )
+
+    def _check_gpu_rollout_quantization(self) -> None:
+        """On a GPU: 'fp8' only, where the GPU multiplies FP8 (the int8 kinds are CPU kernels)."""
+        if self.rollout_quantization != "fp8":
+            raise ValueError(
+                f"rollout_quantization={self.rollout_quantization!r} runs on a CPU (PyTorch's fbgemm int8 kernels), "
+                "and this run trains on a GPU: use rollout_quantization='fp8', or unset it (or use vLLM with "
+                "its own quantization)."
+            )
+        device = torch.device("cuda", torch.cuda.current_device())
+        if not fp8_kernel_supported(device):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise ValueError(
+                f"rollout_quantization='fp8' needs a GPU that multiplies FP8 (compute capability 8.9 or later: "
+                f"Ada, Hopper, Blackwell); this one is {major}.{minor}, where FP8 would be emulated, slower than "
+                "bf16: unset rollout_quantization."
             )
 
     def check_loss_combinations(self) -> None:

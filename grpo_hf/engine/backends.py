@@ -33,7 +33,7 @@ def generation_copy_for(
     With LoRA the copy holds the adapters merged, so a Llama decodes through `LlamaDecoder` on
     plain weights instead of the PEFT model's forward (a float32 round of the bench workload on an
     AVX2 CPU: docs/design/cpu-performance.md); it costs one more copy of the weights in that dtype
-    (and with rollout_quantization='int8' their int8 form beside it).
+    (and with rollout_quantization their 8-bit form beside it).
     """
     copy_setting = next(
         (

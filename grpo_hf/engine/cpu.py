@@ -88,6 +88,11 @@ class BlockedLinear:
         self.packed = weight.device.type == "cpu" and blocked_matmul_supported(weight.dtype)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if self.packed else weight
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What a call reads where a CUDA graph could read it: not oneDNN's packed weight (opaque,
+        on a CPU)."""
+        return () if self.packed else (self.weight,)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
@@ -108,7 +113,9 @@ class BlockedWeights:
     reordered once per model. A frozen weight counts as changed when its storage or version
     counter (bumped by in-place writes such as `GenerationCopy.refresh`'s `copy_`) differs from the
     one last reordered. A weight that requires grad is reordered every time: an optimizer may
-    write it without bumping its version counter (fused AdamW does).
+    write it without bumping its version counter (fused AdamW does). What a maker made with an
+    `update` method is updated in place instead of made again (`quantization.Fp8Matmul`, whose
+    memory a CUDA graph reads).
     """
 
     def __init__(self):
@@ -127,7 +134,11 @@ class BlockedWeights:
             cached = self.entries.get(key)
             if cached is None or cached[1] != stamp or any(weight.requires_grad for weight in weights):
                 joined = torch.cat(weights) if len(weights) > 1 else weights[0]
-                cached = (weights, stamp, make(joined, rows))
+                if cached is not None and hasattr(cached[2], "update"):
+                    cached[2].update(joined)
+                    cached = (weights, stamp, cached[2])
+                else:
+                    cached = (weights, stamp, make(joined, rows))
             entries[key] = cached
             linears.append(cached[2])
         self.entries = entries

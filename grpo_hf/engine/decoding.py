@@ -41,7 +41,7 @@ from grpo_hf.engine.model_forward import (
     static_cache_problem,
     whole_local_weights,
 )
-from grpo_hf.engine.quantization import is_quantized
+from grpo_hf.engine.quantization import quantization_of
 
 
 def is_plain_llama(model: nn.Module) -> bool:
@@ -115,11 +115,11 @@ def _matmul_weights(model: nn.Module, head: torch.Tensor) -> list[tuple[torch.Te
 
 
 def _matmul_makers(model: nn.Module) -> list[type]:
-    """How each matmul of `_matmul_weights` multiplies: as its (first) layer's `int8_matmul` where
+    """How each matmul of `_matmul_weights` multiplies: as its (first) layer's `quantized_matmul` where
     `quantization.quantize_linears` quantized it (a float32 LM head stays float), else on oneDNN's
     blocked weights (`BlockedLinear`). A fused group (q/k/v, gate/up) multiplies as its first layer."""
     firsts = [group[0] for group in _layer_matmuls(model)]
-    return [getattr(module, "int8_matmul", BlockedLinear) for module in (*firsts, model.lm_head)]
+    return [getattr(module, "quantized_matmul", BlockedLinear) for module in (*firsts, model.lm_head)]
 
 
 class LlamaDecoder:
@@ -297,8 +297,16 @@ class StaticLlamaDecoder(LlamaDecoder):
         self.compiled = compiled  # the step's model part through torch.compile (`fixed_shape.compile_step`)
 
     def _linears(self, rows: int) -> list:
-        self.weights = self.buffers.joins.join(_matmul_weights(self.model, self.head_weight))
-        return [functools.partial(F.linear, weight=weight) for weight in self.weights]
+        """Plain matmuls on the joined weights; with rollout_quantization='fp8' each group's
+        `Fp8Matmul`, rounded again in place when a weight changed (`cpu.BlockedWeights`), so a
+        captured step reads the new weights where it read the old ones."""
+        groups = _matmul_weights(self.model, self.head_weight)
+        if quantization_of(self.model) is None:
+            self.weights = self.buffers.joins.join(groups)
+            return [functools.partial(F.linear, weight=weight) for weight in self.weights]
+        matmuls = self.buffers.quantized.reorder(groups, rows, _matmul_makers(self.model))
+        self.weights = [tensor for matmul in matmuls for tensor in matmul.tensors()]
+        return matmuls
 
     def _new_cache(self, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The state's cache; its new-token columns zeroed (the bias masks them until written:
@@ -360,10 +368,16 @@ FORWARD_STATIC = ("transformers_static", "transformers_compiled")
 STATIC_DECODERS = (*LLAMA_STATIC, *FORWARD_STATIC)
 COMPILED_DECODERS = ("llama_compiled", "transformers_compiled")
 FIXED_SHAPE_DECODERS = (StaticLlamaDecoder, StaticForwardDecoder)
-# The decoders that multiply by a quantized model's int8 weights (`quantization`): the CPU's. The
-# static Llama decoder joins the raw weights into plain matmuls, and torch.compile does not trace
-# the int8 kernel.
-QUANTIZED_DECODERS = ("auto", "llama", "transformers", "transformers_static")
+# The decoders that multiply by a quantized model's weights (`quantization`), by rollout_quantization.
+# int8: the CPU's eager ones (fbgemm's kernel is neither compiled nor captured in a CUDA graph). fp8:
+# the static Llama decoders too, which round its weights again in place (a CUDA graph reads them where
+# it was captured); not the static decoders of the model's own forward, whose layers round their
+# weights anew into new memory.
+QUANTIZED_DECODERS = {
+    "int8": ("auto", "llama", "transformers", "transformers_static"),
+    "int8_weight_only": ("auto", "llama", "transformers", "transformers_static"),
+    "fp8": ("auto", "llama", *LLAMA_STATIC, "transformers"),
+}
 
 
 def decoder_for(
@@ -383,10 +397,11 @@ def decoder_for(
     """
     if backend not in DECODERS:
         raise ValueError(f"generation_backend={backend!r} is not one of {DECODERS}.")
-    if backend not in QUANTIZED_DECODERS and is_quantized(model):
+    quantization = quantization_of(model)
+    if quantization is not None and backend not in QUANTIZED_DECODERS[quantization]:
         raise ValueError(
-            f"generation_backend={backend!r} does not decode int8 weights (rollout_quantization); use one of "
-            f"{QUANTIZED_DECODERS}, or unset rollout_quantization."
+            f"generation_backend={backend!r} does not decode rollout_quantization={quantization!r}; use one of "
+            f"{QUANTIZED_DECODERS[quantization]}, or unset rollout_quantization."
         )
     plain_llama = is_plain_llama(model)
     if backend in ("llama", *LLAMA_STATIC) and not plain_llama:
@@ -394,12 +409,16 @@ def decoder_for(
             f"generation_backend={backend!r} needs a plain LlamaForCausalLM with whole local weights, not "
             f"{type(model).__name__}; set generation_backend='auto'."
         )
-    fixed = backend in STATIC_DECODERS or (backend == "auto" and _graphs_for(model))
+    graphs = backend == "auto" and _graphs_for(model)
+    fixed = backend in STATIC_DECODERS or graphs
     compiled = backend in COMPILED_DECODERS or (
         backend == "auto" and importlib.util.find_spec("triton") is not None
     )
     if not plain_llama or backend.startswith("transformers"):
-        return _forward_decoder(model, max_new_tokens, backend, fixed, compiled)
+        # A quantized model's layers round their weights into new memory: no CUDA graphs of its forward.
+        return _forward_decoder(
+            model, max_new_tokens, backend, fixed and not (graphs and quantization is not None), compiled
+        )
     if fixed:
         return StaticLlamaDecoder(model, max_new_tokens, compiled=compiled)
     return LlamaDecoder(model, max_new_tokens)

@@ -46,7 +46,7 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
 
 from grpo_hf.engine import fixed_processors
-from grpo_hf.engine.cpu import weights_stamp
+from grpo_hf.engine.cpu import BlockedWeights, weights_stamp
 
 logger = logging.getLogger(__name__)
 
@@ -170,11 +170,13 @@ class DecodeState:
 
 
 class ModelBuffers:
-    """What a model keeps between calls: its joined weights and its recent buckets' states, and
-    whether a capture of its step failed (`give_up`)."""
+    """What a model keeps between calls: its joined weights (with rollout_quantization='fp8' each
+    group's FP8 form instead, updated in place), its recent buckets' states, and whether a capture
+    of its step failed (`give_up`)."""
 
     def __init__(self):
         self.joins = JoinedWeights()
+        self.quantized = BlockedWeights()
         self.states: OrderedDict[tuple[int, int, int], DecodeState] = OrderedDict()
         self.capture_failed = False
 

@@ -1,9 +1,9 @@
-"""Low-precision rollouts: the sampler's matmuls on int8 weights (`rollout_quantization`).
+"""Low-precision rollouts: the sampler's matmuls on 8-bit weights (`rollout_quantization`).
 
 Decoding a few rows at a time reads every weight once per token, so a step costs about what its
-weights weigh: int8 weights are half the bytes of bf16 ones and a quarter of float32 ones. Each
-weight is rounded per output channel (row): scale = max |w_row| / 127, q = round(w / scale) in
-[-127, 127], w ~ q * scale. Two kinds:
+weights weigh: 8-bit weights are half the bytes of bf16 ones and a quarter of float32 ones. Each
+weight is rounded per output channel (row). For int8: scale = max |w_row| / 127, q = round(w /
+scale) in [-127, 127], w ~ q * scale. Three kinds:
 
 - 'int8' (`Int8Matmul`): PyTorch's dynamic int8 linear (`torch.ops.quantized.linear_dynamic`,
   fbgemm): the activations rounded to 8-bit integers at each call, one scale per call (over all
@@ -25,6 +25,18 @@ weight is rounded per output channel (row): scale = max |w_row| / 127, q = round
 - 'int8_weight_only' (`Int8WeightOnlyMatmul`): the weights' rounding alone (KL 0.0049), multiplied
   in the copy's dtype by the dequantized weights: an int8 weight-only sampler's precision at the
   copy's own speed, since PyTorch's weight-only kernel is slower than that.
+- 'fp8' (`Fp8Matmul`): weights in float8 e4m3 with one scale per output channel, activations
+  rounded to e4m3 at each call with one scale per row (token), fp32 sums, the two scales applied
+  on the way out, a bf16 result: FP8 rowwise, as vLLM's and torchao's dynamic FP8 linears. On a
+  GPU with FP8 matmuls (compute capability 8.9 or later: Ada, Hopper) through `torch._scaled_mm`,
+  for every matmul whose two dimensions are multiples of 16 (what its kernels require); elsewhere
+  (a CPU, an older GPU, other shapes) emulated: the e4m3 values, exact in bf16 and float32,
+  multiplied in the copy's dtype and scaled in float32, which is the kernel's maths up to the
+  order of its sums, a bf16 copy's rounding of the sum before it is scaled, and a float32 copy's
+  result, which the kernel rounds to bf16. The emulation is no faster than the copy itself: on a
+  CPU it is there to measure what FP8 sampling does to training before a GPU runs it. The
+  fixed-shape decoder of CUDA graphs reads its FP8 weights where they were captured, so
+  `Fp8Matmul.update` rewrites them in place. Off by default; not yet run on a GPU.
 
 Where fbgemm is missing (a build without it, an ARM CPU) or misbehaves, 'int8' falls back to
 'int8_weight_only''s product. Held to fbgemm's AVX2 kernels (`FBGEMM_ENABLE_INSTRUCTIONS=AVX2`, with
@@ -36,7 +48,7 @@ The sampler's log-probs come from the quantized model, so the loss's importance 
 the sampler (`sampler_is_cap`, `off_policy_mask_threshold`) and the `sampler/*` metrics see the
 difference. `quantize_linears` turns a model's `nn.Linear` and GPT-2 `Conv1D` layers into their
 quantized kinds in place: they keep their float weights (the generation copy refreshes those, as
-before), and take their int8 form again whenever a weight changed (`cpu.weights_stamp`).
+before), and take their 8-bit form again whenever a weight changed (`cpu.weights_stamp`).
 """
 
 import functools
@@ -52,6 +64,9 @@ from grpo_hf.engine.cpu import BlockedLinear, weights_stamp
 from grpo_hf.models.policy import Float32Head
 
 INT8_MAX = 127
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_MIN_SCALE = 1e-12 / FP8_MAX  # a row of zeros still divides by something
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,38 +167,102 @@ class Int8WeightOnlyMatmul(Int8Matmul):
     rounds_activations = False
 
 
-class _Int8Forward:
-    """The forward of a quantized layer: its (out, in) weight as its `int8_matmul` (`Int8Matmul` or
-    `Int8WeightOnlyMatmul`, set by `quantize_linears`), made again when the weight changed, then the
-    bias in float."""
+def fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) weight -> (N, K) float8 e4m3 q and (N,) float32 scales with weight ~ q * scale[:, None].
 
-    int8_matmul: type[Int8Matmul] = Int8Matmul
+    One scale per output channel, max |w_row| / 448, so each row's largest entry maps to +-448
+    (e4m3's largest); e4m3 then keeps 3 bits of mantissa of each entry. An all-zero row gets
+    scale 1."""
+    weight = weight.detach().float()  # (N, K)
+    scale = weight.abs().amax(dim=1) / FP8_MAX  # (N,)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (weight / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
-    def _int8_product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) activations -> (M, K) float8 e4m3 and (M, 1) float32 scales, one per row: max |x_row| / 448."""
+    x = x.float()
+    scale = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=FP8_MIN_SCALE)  # (M, 1)
+    return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_kernel_supported(device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` multiplies FP8 on `device` at FP8's speed: a CUDA GPU of compute
+    capability 8.9 or later. (PyTorch's CPU `_scaled_mm` computes the same, 30x slower than a bf16
+    product on the LM head's decoding shape on the AVX-512 EPYC: `Fp8Matmul` emulates it there.)"""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8Matmul:
+    """x (rows, in) -> x @ W.T for a fixed (out, in) weight W in float8 e4m3 with per-channel scales,
+    x rounded to e4m3 per row at each call (`rollout_quantization='fp8'`): `torch._scaled_mm` where
+    `fp8_kernel_supported` and both of W's dimensions are multiples of 16, else emulated (the e4m3
+    values multiplied in W's dtype, on oneDNN's blocked layout where it can, `cpu.BlockedLinear`,
+    sized for `rows`, then scaled in float32). The result has x's dtype (the kernel's is bf16)."""
+
+    def __init__(self, weight: torch.Tensor, rows: int = 1):
+        self.rows, self.dtype = rows, weight.dtype
+        out_features, in_features = weight.shape
+        self.kernel = fp8_kernel_supported(weight.device) and out_features % 16 == 0 and in_features % 16 == 0
+        self.update(weight)
+
+    def update(self, weight: torch.Tensor) -> None:
+        """Round `weight` (same shape) anew; on the kernel's path into the same memory, where a CUDA
+        graph reads it."""
+        q, scale = fp8_per_channel(weight)  # (N, K), (N,)
+        if not self.kernel:
+            self.linear, self.scale = BlockedLinear(q.to(self.dtype), self.rows), scale
+        elif hasattr(self, "q"):
+            self.q.copy_(q)
+            self.scale.copy_(scale.view(1, -1))
+        else:
+            self.q, self.scale = q, scale.view(1, -1)  # (N, K), (1, N)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What a call reads (a captured graph must be captured again if one of them moved)."""
+        return (self.q, self.scale) if self.kernel else (*self.linear.tensors(), self.scale)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale = fp8_rows(x)  # (M, K), (M, 1)
+        if self.kernel:
+            out = torch._scaled_mm(q, self.q.t(), scale_a=scale, scale_b=self.scale, out_dtype=torch.bfloat16)
+            return out.to(x.dtype)  # (M, N)
+        return (self.linear(q.to(self.dtype)).float() * scale * self.scale).to(x.dtype)  # (M, N)
+
+
+class _QuantizedForward:
+    """The forward of a quantized layer: its (out, in) weight as its `quantized_matmul`
+    (`Int8Matmul`, `Int8WeightOnlyMatmul` or `Fp8Matmul`, set by `quantize_linears`), made again
+    when the weight changed, then the bias in float."""
+
+    quantized_matmul: type = Int8Matmul
+
+    def _quantized_product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         stamp = weights_stamp((self.weight,))
-        cached = getattr(self, "_int8", None)
+        cached = getattr(self, "_quantized", None)
         # A weight that requires grad may be written without a version bump (fused AdamW): rounded anew.
         if cached is None or cached[0] != stamp or self.weight.requires_grad:
-            cached = self._int8 = (stamp, self.int8_matmul(weight))
+            cached = self._quantized = (stamp, self.quantized_matmul(weight))
         out = cached[1](x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)  # (..., out)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
-class QuantizedLinear(_Int8Forward, nn.Linear):
-    """An `nn.Linear` whose forward multiplies by its weight in int8 (`Int8Matmul`)."""
+class QuantizedLinear(_QuantizedForward, nn.Linear):
+    """An `nn.Linear` whose forward multiplies by its quantized weight (`quantized_matmul`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._int8_product(x, self.weight)
+        return self._quantized_product(x, self.weight)
 
 
-class QuantizedConv1D(_Int8Forward, Conv1D):
-    """GPT-2's `Conv1D` (x @ W + b, W (in, out)) multiplying by its weight in int8."""
+class QuantizedConv1D(_QuantizedForward, Conv1D):
+    """GPT-2's `Conv1D` (x @ W + b, W (in, out)) multiplying by its quantized weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._int8_product(x, self.weight.t())
+        return self._quantized_product(x, self.weight.t())
 
 
-MATMULS = {"int8": Int8Matmul, "int8_weight_only": Int8WeightOnlyMatmul}  # by rollout_quantization
+# By rollout_quantization.
+MATMULS = {"int8": Int8Matmul, "int8_weight_only": Int8WeightOnlyMatmul, "fp8": Fp8Matmul}
 ROLLOUT_QUANTIZATIONS = tuple(MATMULS)
 
 
@@ -202,10 +281,12 @@ def quantize_linears(
         chosen = only is None or name.rsplit(".", 1)[-1] in only
         if kind is not None and chosen and not isinstance(module, Float32Head):
             module.__class__ = kind
-            module.int8_matmul = MATMULS[quantization]
+            module.quantized_matmul = MATMULS[quantization]
     return model
 
 
-def is_quantized(model: nn.Module) -> bool:
-    """Whether `quantize_linears` quantized `model` (its decoders then multiply in int8 too)."""
-    return any(isinstance(module, _Int8Forward) for module in model.modules())
+def quantization_of(model: nn.Module) -> str | None:
+    """The `rollout_quantization` that `quantize_linears` gave `model` (its decoders then multiply so
+    too), or None."""
+    kinds = {module.quantized_matmul for module in model.modules() if isinstance(module, _QuantizedForward)}
+    return next((name for name, kind in MATMULS.items() if kind in kinds), None)
