@@ -188,8 +188,8 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_kernel_supported(device: torch.device) -> bool:
     """Whether `torch._scaled_mm` multiplies FP8 on `device` at FP8's speed: a CUDA GPU of compute
-    capability 8.9 or later. (PyTorch's CPU `_scaled_mm` computes the same, 30x slower than a bf16
-    product on the LM head's decoding shape on the AVX-512 EPYC: `Fp8Matmul` emulates it there.)"""
+    capability 8.9 or later. (PyTorch's CPU `_scaled_mm` computes the same as a slow reference, far
+    slower than a bf16 product: `Fp8Matmul` emulates it there.)"""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
