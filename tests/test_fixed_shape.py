@@ -444,12 +444,18 @@ def test_the_compiled_step_replays_as_a_cuda_graph():
     policy = lora_policy().to("cuda")
     copy = GenerationCopy(policy, torch.float32)
     for seed, width in enumerate((7, 20, 7, 40)):
-        ids, mask = prompts(width, device="cuda")
         train_q_adapter(policy, copy)
+        assert_same_rollout(*compiled_replay_and_eager(copy.model, width, seed))
+
+
+def compiled_replay_and_eager(model, width: int, seed: int) -> tuple[Rollout, Rollout]:
+    """`prompts(width)` on CUDA sampled from `seed` by the compiled step replayed as a CUDA graph, and
+    by the uncompiled step run eagerly."""
+    ids, mask = prompts(width, device="cuda")
+    torch.manual_seed(seed)
+    replayed = generate(model, ids, mask, sampling(top_p=0.9), "llama_compiled")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fixed_shape, "graphs_enabled", lambda device: False)
         torch.manual_seed(seed)
-        replayed = generate(copy.model, ids, mask, sampling(top_p=0.9), "llama_compiled")
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(fixed_shape, "graphs_enabled", lambda device: False)
-            torch.manual_seed(seed)
-            eager = generate(copy.model, ids, mask, sampling(top_p=0.9), "llama_static")
-        assert_same_rollout(replayed, eager)
+        eager = generate(model, ids, mask, sampling(top_p=0.9), "llama_static")
+    return replayed, eager

@@ -12,10 +12,12 @@ from test_fixed_shape import (
     DEVICES,
     assert_same_rollout,
     check_refreshed_weights_reach_the_replay,
+    compiled_replay_and_eager,
     decode_both,
     lora_policy,
     prompts,
     sampling,
+    train_q_adapter,
 )
 from tiny_models import tiny_gpt2, tiny_llama, tiny_tokenizer
 from trainer_helpers import chat_dataset, length_reward, make_config
@@ -24,7 +26,6 @@ from grpo_hf import GRPOTrainer
 from grpo_hf.engine import fixed_shape, quantization
 from grpo_hf.engine.decoding import LlamaDecoder, decoder_for
 from grpo_hf.engine.generation_copy import GenerationCopy
-from grpo_hf.engine.local import generate
 from grpo_hf.engine.model_forward import StaticForwardDecoder, TransformersDecoder
 from grpo_hf.engine.quantization import Fp8Matmul, fp8_per_channel, fp8_rows, quantize_linears
 
@@ -139,18 +140,8 @@ def test_the_compiled_fp8_step_replays_as_a_cuda_graph():
     if not quantization.fp8_kernel_supported(torch.device("cuda")):
         pytest.skip("this GPU has no FP8 matmuls")
     for seed, width in enumerate((7, 20)):
-        ids, mask = prompts(width, device="cuda")
-        with torch.no_grad():
-            for name, param in policy.named_parameters():
-                if "q_proj.lora_B" in name:
-                    param.add_(0.1)
-        generation.refresh()
-        torch.manual_seed(seed)
-        replayed = generate(generation.model, ids, mask, sampling(top_p=0.9), "llama_compiled")
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(fixed_shape, "graphs_enabled", lambda device: False)
-            torch.manual_seed(seed)
-            eager = generate(generation.model, ids, mask, sampling(top_p=0.9), "llama_static")
+        train_q_adapter(policy, generation)
+        replayed, eager = compiled_replay_and_eager(generation.model, width, seed)
         assert torch.equal(replayed.completion_ids, eager.completion_ids)
 
 

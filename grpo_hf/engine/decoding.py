@@ -373,11 +373,9 @@ FIXED_SHAPE_DECODERS = (StaticLlamaDecoder, StaticForwardDecoder)
 # the static Llama decoders too, which round its weights again in place (a CUDA graph reads them where
 # it was captured); not the static decoders of the model's own forward, whose layers round their
 # weights anew into new memory.
-QUANTIZED_DECODERS = {
-    "int8": ("auto", "llama", "transformers", "transformers_static"),
-    "int8_weight_only": ("auto", "llama", "transformers", "transformers_static"),
-    "fp8": ("auto", "llama", *LLAMA_STATIC, "transformers"),
-}
+INT8_DECODERS = ("auto", "llama", "transformers", "transformers_static")
+QUANTIZED_DECODERS = {"int8": INT8_DECODERS, "int8_weight_only": INT8_DECODERS,
+                      "fp8": ("auto", "llama", *LLAMA_STATIC, "transformers")}  # fmt: skip
 
 
 def decoder_for(
