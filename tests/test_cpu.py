@@ -56,6 +56,14 @@ def test_the_forced_fallback_is_a_plain_linear(dtype, monkeypatch):
     torch.testing.assert_close(linear(x), F.linear(x, weight), rtol=0, atol=0)
 
 
+def test_no_rows_keeps_the_plain_weight():
+    """rows=None (the fixed-shape decoder's: a compiled step reads the weight) never packs it, even
+    where oneDNN could."""
+    weight = torch.randn(96, 64)
+    linear = BlockedLinear(weight, rows=None)
+    assert not linear.packed and linear.weight is weight and linear.tensors() == (weight,)
+
+
 def test_a_reorder_that_raises_means_unsupported(monkeypatch):
     """A oneDNN build that claims support but whose kernel raises (or misbehaves) falls back."""
 

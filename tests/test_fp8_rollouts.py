@@ -26,6 +26,7 @@ from grpo_hf import GRPOTrainer
 from grpo_hf.engine import fixed_shape, quantization
 from grpo_hf.engine.decoding import LlamaDecoder, decoder_for
 from grpo_hf.engine.generation_copy import GenerationCopy
+from grpo_hf.engine.local import generate
 from grpo_hf.engine.model_forward import StaticForwardDecoder, TransformersDecoder
 from grpo_hf.engine.quantization import Fp8Matmul, fp8_per_channel, fp8_rows, quantize_linears
 
@@ -129,6 +130,33 @@ def test_refreshed_fp8_weights_reach_the_replayed_step_in_place(device, request)
     )
     if device == "cpu":
         assert captures.captures == 1
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["emulated", "scaled_mm"])
+def test_the_compiled_fp8_step_is_the_static_step(kernel, inductor_compile, eager_graphs, monkeypatch):
+    """'llama_compiled' on a LoRA policy's FP8 copy, through inductor: the static step's tokens and
+    log-probs, round after round, and each round's refreshed weights reach the one compiled step
+    (the same seed samples other log-probs). Emulated (on the plain e4m3 weights: inductor lowers
+    oneDNN's packed product only where the weight is a constant) and on PyTorch's CPU `_scaled_mm`,
+    the GPU kernel's path. The kernel's weights are rewritten in place, so each step is captured
+    once; the emulation's move with q_proj's (captured again each round)."""
+    if kernel:
+        monkeypatch.setattr(quantization, "fp8_kernel_supported", lambda device: True)
+    policy = lora_policy()
+    generation = GenerationCopy(policy, torch.float32, quantization="fp8")
+    ids, mask = prompts()
+    previous = None
+    for _ in range(3):
+        train_q_adapter(policy, generation)
+        rollouts = []
+        for backend in ("llama_static", "llama_compiled"):
+            torch.manual_seed(0)
+            rollouts.append(generate(generation.model, ids, mask, sampling(top_p=0.9), backend))
+        assert_same_rollout(rollouts[1], rollouts[0])
+        assert previous is None or not torch.equal(rollouts[1].sampler_logps, previous.sampler_logps)
+        previous = rollouts[1]
+    assert inductor_compile.frame_count == 1
+    assert eager_graphs.captures == (2 if kernel else 2 * 3)
 
 
 @pytest.mark.cuda

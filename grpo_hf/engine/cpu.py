@@ -84,8 +84,12 @@ class BlockedLinear:
     instructions for this dtype) the weight is used as it is, through `F.linear`.
     """
 
-    def __init__(self, weight: torch.Tensor, rows: int):
-        self.packed = weight.device.type == "cpu" and blocked_matmul_supported(weight.dtype)
+    def __init__(self, weight: torch.Tensor, rows: int | None):
+        """`rows`: the rows the blocked layout is sized for; None keeps the plain weight (what a step
+        that `torch.compile` traces can read: inductor lowers oneDNN's product for constant weights only)."""
+        self.packed = (
+            rows is not None and weight.device.type == "cpu" and blocked_matmul_supported(weight.dtype)
+        )
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if self.packed else weight
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -122,7 +126,7 @@ class BlockedWeights:
         self.entries: dict[tuple, tuple] = {}  # (maker, ids) -> (weights, stamp, linear)
 
     def reorder(
-        self, groups: list[tuple[torch.Tensor, ...]], rows: int, makers: list[Callable] | None = None
+        self, groups: list[tuple[torch.Tensor, ...]], rows: int | None, makers: list[Callable] | None = None
     ) -> list[Callable[[torch.Tensor], torch.Tensor]]:
         """x @ cat(group).T for each group of weights, as `BlockedLinear`s, or as what each group's
         maker (`makers`, called as `BlockedLinear` is: joined weight, rows) builds; entries of

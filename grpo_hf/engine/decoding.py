@@ -299,12 +299,13 @@ class StaticLlamaDecoder(LlamaDecoder):
     def _linears(self, rows: int) -> list:
         """Plain matmuls on the joined weights; with rollout_quantization='fp8' each group's
         `Fp8Matmul`, rounded again in place when a weight changed (`cpu.BlockedWeights`), so a
-        captured step reads the new weights where it read the old ones."""
+        captured step reads the new weights where it read the old ones. None are on oneDNN's packed
+        weights (`rows` None), which neither a CUDA graph nor `torch.compile` can read."""
         groups = _matmul_weights(self.model, self.head_weight)
         if quantization_of(self.model) is None:
             self.weights = self.buffers.joins.join(groups)
             return [functools.partial(F.linear, weight=weight) for weight in self.weights]
-        matmuls = self.buffers.quantized.reorder(groups, rows, _matmul_makers(self.model))
+        matmuls = self.buffers.quantized.reorder(groups, None, _matmul_makers(self.model))
         self.weights = [tensor for matmul in matmuls for tensor in matmul.tensors()]
         return matmuls
 

@@ -198,9 +198,10 @@ class Fp8Matmul:
     x rounded to e4m3 per row at each call (`rollout_quantization='fp8'`): `torch._scaled_mm` where
     `fp8_kernel_supported` and both of W's dimensions are multiples of 16, else emulated (the e4m3
     values multiplied in W's dtype, on oneDNN's blocked layout where it can, `cpu.BlockedLinear`,
-    sized for `rows`, then scaled in float32). The result has x's dtype (the kernel's is bf16)."""
+    sized for `rows` (None: the plain weight), then scaled in float32). The result has x's dtype (the
+    kernel's is bf16)."""
 
-    def __init__(self, weight: torch.Tensor, rows: int = 1):
+    def __init__(self, weight: torch.Tensor, rows: int | None = 1):
         self.rows, self.dtype = rows, weight.dtype
         out_features, in_features = weight.shape
         self.kernel = fp8_kernel_supported(weight.device) and out_features % 16 == 0 and in_features % 16 == 0
