@@ -133,7 +133,7 @@ def test_refreshed_fp8_weights_reach_the_replayed_step_in_place(device, request)
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["emulated", "scaled_mm"])
-def test_the_compiled_fp8_step_is_the_static_step(kernel, inductor_compile, eager_graphs, monkeypatch):
+def test_the_compiled_fp8_step_is_the_static_step(kernel, inductor_compile, eager_graphs, request):
     """'llama_compiled' on a LoRA policy's FP8 copy, through inductor: the static step's tokens and
     log-probs, round after round, and each round's refreshed weights reach the one compiled step
     (the same seed samples other log-probs). Emulated (on the plain e4m3 weights: inductor lowers
@@ -141,7 +141,7 @@ def test_the_compiled_fp8_step_is_the_static_step(kernel, inductor_compile, eage
     the GPU kernel's path. The kernel's weights are rewritten in place, so each step is captured
     once; the emulation's move with q_proj's (captured again each round)."""
     if kernel:
-        monkeypatch.setattr(quantization, "fp8_kernel_supported", lambda device: True)
+        request.getfixturevalue("cpu_kernel")
     policy = lora_policy()
     generation = GenerationCopy(policy, torch.float32, quantization="fp8")
     ids, mask = prompts()
