@@ -397,6 +397,17 @@ def train_q_adapter(policy, copy: GenerationCopy) -> None:
     copy.refresh()
 
 
+def compiled_as_static(model, ids, mask, seed: int) -> Rollout:
+    """The prompts sampled from `seed` by 'llama_static', then by 'llama_compiled', checked to be the
+    same rollout; the compiled one."""
+    rollouts = []
+    for backend in ("llama_static", "llama_compiled"):
+        torch.manual_seed(seed)
+        rollouts.append(generate(model, ids, mask, sampling(top_p=0.9), backend))
+    assert_same_rollout(rollouts[1], rollouts[0])
+    return rollouts[1]
+
+
 def test_the_compiled_step_is_the_static_step(cheap_compile, eager_graphs):
     """'llama_compiled' samples the same tokens as the static steps, round after round, and a LoRA
     policy's refreshed weights reach it (they are inputs of the compiled code, not constants)."""
@@ -406,13 +417,9 @@ def test_the_compiled_step_is_the_static_step(cheap_compile, eager_graphs):
     previous = None
     for seed in range(3):
         train_q_adapter(policy, copy)
-        rollouts = []
-        for backend in ("llama_static", "llama_compiled"):
-            torch.manual_seed(seed)
-            rollouts.append(generate(copy.model, ids, mask, sampling(top_p=0.9), backend))
-        assert_same_rollout(rollouts[1], rollouts[0])
-        assert previous is None or not torch.equal(rollouts[1].completion_ids, previous.completion_ids)
-        previous = rollouts[1]
+        compiled = compiled_as_static(copy.model, ids, mask, seed)
+        assert previous is None or not torch.equal(compiled.completion_ids, previous.completion_ids)
+        previous = compiled
     assert eager_graphs.captures == 2  # one step each: a compiled step never replays the uncompiled one
     assert type(decoder_for(copy.model, 3, "llama_compiled")) is StaticLlamaDecoder
     assert decoder_for(copy.model, 3, "llama_compiled").compiled
@@ -425,11 +432,7 @@ def test_new_prompt_buckets_reuse_the_compiled_step(inductor_compile, eager_grap
     tokens in every one."""
     model = tiny_llama().eval()
     for width in (7, 20, 40, 70, 9):
-        rollouts = []
-        for backend in ("llama_static", "llama_compiled"):
-            torch.manual_seed(width)
-            rollouts.append(generate(model, *prompts(width), sampling(top_p=0.9), backend))
-        assert_same_rollout(rollouts[1], rollouts[0])
+        compiled_as_static(model, *prompts(width), seed=width)
     assert inductor_compile.frame_count == 2  # static shapes would compile once per bucket: 4
     # a capture per backend and bucket; the 16-column prompts' return runs in the 32-column bucket (held,
     # within MAX_WASTE), the 16-column one gone (MAX_STATES)
